@@ -1,0 +1,155 @@
+"""One request's state: its tokens, counters and block table (seed §3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum, auto
+from itertools import count
+from typing import Any
+
+from paged_engine.engine.indexing import last_block_num_tokens, num_blocks
+from paged_engine.sampling_params import SamplingParams
+
+_INT64_MAX = 2**63 - 1
+_seq_ids = count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A request moving through WAITING -> RUNNING -> FINISHED (and back on preemption).
+
+    ``block_table[i]`` is the physical block holding logical block ``i``: the page table of
+    the paged KV cache. ``num_cached_tokens`` tokens already have K/V in the cache;
+    ``num_scheduled_tokens`` are computed in the current step (chunked prefill computes a
+    long prompt over several steps).
+
+    ``block_hashes`` caches the hash chain (R4) of the sequence's full blocks, so each is
+    computed once per lifetime although ``can_allocate`` runs every step while the request
+    waits, and again after a preemption. Full blocks never change, so it never goes stale.
+    It belongs to the allocator that filled it (one hash function per sequence).
+    """
+
+    __slots__ = (
+        "block_hashes",
+        "block_size",
+        "block_table",
+        "is_prefill",
+        "last_token",
+        "num_cached_tokens",
+        "num_prompt_tokens",
+        "num_scheduled_tokens",
+        "num_tokens",
+        "sampling_params",
+        "seq_id",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        token_ids: Iterable[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        block_size: int = 16,
+        seq_id: int | None = None,
+    ) -> None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        tokens = list(token_ids)
+        if not tokens:
+            raise ValueError("a sequence needs at least one token")
+        for t in tokens:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError(f"token ids must be ints, got {t!r}")
+            if not 0 <= t <= _INT64_MAX:
+                raise ValueError(f"token ids must be in [0, 2**63), got {t}")
+        self.seq_id: int = next(_seq_ids) if seq_id is None else seq_id
+        self.status = SequenceStatus.WAITING
+        self.token_ids: list[int] = tokens
+        self.last_token: int = tokens[-1]
+        self.num_tokens: int = len(tokens)
+        self.num_prompt_tokens: int = len(tokens)
+        self.num_cached_tokens: int = 0
+        self.num_scheduled_tokens: int = 0
+        self.is_prefill: bool = True
+        self.block_table: list[int] = []
+        self.block_size: int = block_size
+        self.sampling_params: SamplingParams = sampling_params or SamplingParams()
+        self.block_hashes: list[int] = []
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"cached={self.num_cached_tokens}, table={self.block_table})"
+        )
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.num_tokens, self.block_size)
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return last_block_num_tokens(self.num_tokens, self.block_size)
+
+    def block(self, i: int) -> tuple[int, ...]:
+        """Tokens of logical block ``i``."""
+        bs = self.block_size
+        return tuple(self.token_ids[i * bs : (i + 1) * bs])
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    # Pickling for workers (seed §3.1): while decoding a worker needs the counters, the
+    # block table and the last token, not thousands of token ids.
+    def __getstate__(self) -> tuple[Any, ...]:
+        last: int | list[int] = self.token_ids if self.is_prefill else self.last_token
+        return (
+            self.seq_id,
+            self.block_size,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.num_scheduled_tokens,
+            self.block_table,
+            last,
+        )
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (
+            self.seq_id,
+            self.block_size,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.num_scheduled_tokens,
+            self.block_table,
+            last,
+        ) = state
+        self.is_prefill = isinstance(last, list)
+        self.token_ids = last if self.is_prefill else []
+        self.last_token = last[-1] if self.is_prefill else last
+        self.status = SequenceStatus.RUNNING
+        self.sampling_params = SamplingParams()
+        self.block_hashes = []

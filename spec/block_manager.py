@@ -1,0 +1,246 @@
+"""Reference model of the block allocator: the simplest code that states rules R1-R12.
+
+Read it beside ../shared/DESIGN.md; each step cites the rule it implements. Speed is no
+concern here (lists, linear scans, the hash chain recomputed from the first block every
+time); ``paged_engine.engine.block_manager`` is the fast twin, and the tests drive both in
+lockstep. Contracts are PEP 316 docstrings, checked by CrossHair.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import xxhash
+
+from paged_engine.engine.allocator_state import AllocatorState
+from spec.indexing import needs_new_block
+from spec.sequence import SpecSequence
+
+HashFn = Callable[[tuple[int, ...], "int | None"], int]
+
+
+def xxh64_block_hash(token_ids: tuple[int, ...], prefix: int | None) -> int:
+    """R4: xxh64 over the previous hash (8 bytes, little-endian) then int64 LE tokens."""
+    h = xxhash.xxh64()
+    if prefix is not None:
+        h.update(prefix.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.intdigest()
+
+
+def simple_block_hash(token_ids: tuple[int, ...], prefix: int | None) -> int:
+    """A pure-Python chained hash for CrossHair, which cannot see inside xxhash's C code.
+
+    post: 0 <= __return__ < 2 ** 64
+    """
+    h = 0 if prefix is None else prefix + 1
+    for t in token_ids:
+        h = (h * 1_000_003 + t + 1) % 2**64
+    return h
+
+
+class BlockManager:
+    """Blocks ``0..N-1`` with ref counts, hashes, tokens, one FIFO free queue (R1).
+
+    inv: sorted(self.free_queue + self.used_blocks()) == list(range(self.num_blocks))
+    inv: all((self.ref_counts[b] == 0) == (b in self.free_queue) for b in range(self.num_blocks))
+    inv: all(self.block_hashes[b] == h for h, b in self.hash_to_block.items())
+    inv: all(self.block_hashes[b] is not None for b in range(self.num_blocks) if self.ref_counts[b] > 1)
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = xxh64_block_hash):
+        """
+        post: self.free_queue == list(range(num_blocks))
+        """
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...]] = [()] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free_queue = list(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def used_blocks(self) -> list[int]:
+        return [b for b in range(self.num_blocks) if self.ref_counts[b] > 0]
+
+    @staticmethod
+    def compute_hash(token_ids: tuple[int, ...] | list[int], prefix: int | None = None) -> int:
+        """R4, with the default hash function."""
+        return xxh64_block_hash(tuple(token_ids), prefix)
+
+    def _fresh_block(self) -> int:
+        """R2: the head of the free queue, its stale registration dropped, reset."""
+        block = self.free_queue.pop(0)
+        old = self.block_hashes[block]
+        if old is not None and self.hash_to_block.get(old) == block:
+            del self.hash_to_block[old]
+        self.ref_counts[block] = 1
+        self.block_hashes[block] = None
+        self.block_tokens[block] = ()
+        return block
+
+    def _lookup(self, seq: SpecSequence) -> list[int]:
+        """R5, R10: blocks holding the sequence's leading full blocks, never the last one."""
+        hits: list[int] = []
+        h = None
+        for i in range(seq.num_blocks - 1):
+            tokens = seq.block(i)
+            h = self.hash_fn(tokens, h)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            hits.append(block)
+        return hits
+
+    def _blocks_needed(self, seq: SpecSequence, hits: list[int]) -> int:
+        """R5: every block but the hits in use comes out of the free queue."""
+        return seq.num_blocks - sum(1 for b in hits if self.ref_counts[b] > 0)
+
+    def can_allocate(self, seq: SpecSequence) -> int | None:
+        """R5: the number of prefix-cache hits, or None when the free queue is too short.
+
+        pre: len(seq.token_ids) >= 1
+        post: __return__ is None or 0 <= __return__ < seq.num_blocks
+        """
+        hits = self._lookup(seq)
+        if self.num_free_blocks < self._blocks_needed(seq, hits):
+            return None
+        return len(hits)
+
+    def allocate(self, seq: SpecSequence, num_cached_blocks: int) -> None:
+        """R6: share the hits in use, revive the hits in the free queue, then fresh blocks.
+
+        pre: len(seq.token_ids) >= 1
+        post: len(seq.block_table) == seq.num_blocks
+        post: seq.num_cached_tokens == num_cached_blocks * self.block_size
+        """
+        if seq.block_table:
+            raise RuntimeError("allocate: the sequence already holds blocks")
+        hits = self._lookup(seq)
+        if num_cached_blocks != len(hits):
+            raise ValueError(
+                f"allocate: num_cached_blocks={num_cached_blocks}, but the prefix cache "
+                f"holds {len(hits)} leading blocks of this sequence"
+            )
+        if self.num_free_blocks < self._blocks_needed(seq, hits):
+            raise RuntimeError("allocate: not enough free blocks for this sequence")
+        for block in hits:
+            if self.ref_counts[block] > 0:
+                self.ref_counts[block] += 1
+            else:
+                self.free_queue.remove(block)
+                self.ref_counts[block] = 1
+            seq.block_table.append(block)
+        for _ in range(len(hits), seq.num_blocks):
+            seq.block_table.append(self._fresh_block())
+        seq.num_cached_tokens = len(hits) * self.block_size
+
+    def can_append(self, seq: SpecSequence) -> bool:
+        """R7: True unless the newest token starts a block and no block is free.
+
+        pre: len(seq.token_ids) >= 1
+        """
+        return self.num_free_blocks >= needs_new_block(len(seq), self.block_size)
+
+    def may_append(self, seq: SpecSequence) -> None:
+        """R7: give the sequence a fresh block when its newest token starts one.
+
+        pre: len(seq.token_ids) >= 1
+        post: len(seq.block_table) == seq.num_blocks
+        """
+        if not seq.block_table:
+            raise RuntimeError("may_append: the sequence holds no blocks")
+        need = needs_new_block(len(seq), self.block_size)
+        if len(seq.block_table) + need != seq.num_blocks:
+            raise RuntimeError(
+                f"may_append: a {len(seq)}-token sequence with {len(seq.block_table)} blocks "
+                "is not one token past its block table"
+            )
+        if need:
+            if not self.free_queue:
+                raise RuntimeError("may_append: no free block")
+            seq.block_table.append(self._fresh_block())
+
+    def hash_blocks(self, seq: SpecSequence) -> None:
+        """R8: register the blocks that became full in the step just computed.
+
+        post: seq.num_cached_tokens == __old__.seq.num_cached_tokens
+        """
+        cached, scheduled = seq.num_cached_tokens, seq.num_scheduled_tokens
+        if cached < 0 or scheduled < 0 or cached + scheduled > len(seq):
+            raise ValueError(
+                f"hash_blocks: num_cached_tokens={cached} + num_scheduled_tokens={scheduled} "
+                f"is outside a {len(seq)}-token sequence"
+            )
+        end = (cached + scheduled) // self.block_size
+        if end > len(seq.block_table):
+            raise RuntimeError(
+                f"hash_blocks: {end} full blocks but the sequence holds {len(seq.block_table)}"
+            )
+        h = None
+        for i in range(end):  # the chain runs from block 0 (R4)
+            tokens = seq.block(i)
+            h = self.hash_fn(tokens, h)
+            if i >= cached // self.block_size:
+                block = seq.block_table[i]
+                self.block_hashes[block] = h
+                self.block_tokens[block] = tokens
+                self.hash_to_block[h] = block
+
+    def deallocate(self, seq: SpecSequence) -> None:
+        """R3: release last block first; freed blocks keep hash and tokens (lazy eviction).
+
+        post: seq.block_table == []
+        post: seq.num_cached_tokens == 0
+        """
+        if not seq.block_table:
+            raise RuntimeError("deallocate: the sequence holds no blocks (double release?)")
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue.append(block)
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+
+    def snapshot(self) -> AllocatorState:
+        """R11."""
+        return AllocatorState(
+            free_queue=tuple(self.free_queue),
+            ref_counts=tuple(self.ref_counts),
+            block_hashes=tuple(self.block_hashes),
+            block_tokens=tuple(self.block_tokens),
+            hash_to_block=tuple(sorted(self.hash_to_block.items())),
+        )
+
+    def check_invariants(self, seqs: list[SpecSequence] | None = None) -> None:
+        """R12; raises AssertionError naming the broken invariant."""
+        used = self.used_blocks()
+        if sorted(self.free_queue + used) != list(range(self.num_blocks)):
+            raise AssertionError("free queue and used blocks do not partition the pool")
+        for b in range(self.num_blocks):
+            if (self.ref_counts[b] == 0) != (b in self.free_queue):
+                raise AssertionError(f"block {b}: ref_count 0 must mean in the free queue")
+            if self.ref_counts[b] > 1 and (
+                self.block_hashes[b] is None or len(self.block_tokens[b]) != self.block_size
+            ):
+                raise AssertionError(f"block {b} is shared but not full and hashed (R9)")
+        for h, b in self.hash_to_block.items():
+            if self.block_hashes[b] != h:
+                raise AssertionError(f"hash map entry {h} -> {b} disagrees with the block")
+        if seqs is not None:
+            holders = [0] * self.num_blocks
+            for seq in seqs:
+                for b in seq.block_table:
+                    holders[b] += 1
+            if holders != self.ref_counts:
+                raise AssertionError(f"ref counts {self.ref_counts} != table holders {holders}")

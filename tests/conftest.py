@@ -1,0 +1,27 @@
+"""Hypothesis profiles (HYPOTHESIS_PROFILE=dev|ci) and shared fixtures."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "dev",
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+# Thorough but bounded: the whole `tox` run must stay well under 20 minutes on 2 cores.
+settings.register_profile(
+    "ci",
+    max_examples=300,
+    stateful_step_count=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
