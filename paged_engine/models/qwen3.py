@@ -1,0 +1,175 @@
+"""Qwen3 for causal LM, in Hugging Face's module layout, over the paged KV cache.
+
+Parameter names match Hugging Face checkpoints except for the fused projections
+(``qkv_proj``, ``gate_up_proj``); ``PACKED_MODULES_MAPPING`` tells the loader which
+checkpoint tensors fill which shard of them. Ops run in transformers' order (q/k RMSNorm
+per head *before* rotary, residual adds in the model dtype) so float32 logits match it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_engine.layers.activation import SiluAndMul
+from paged_engine.layers.attention import Attention, AttentionBackend
+from paged_engine.layers.embed_head import LMHead, VocabEmbedding
+from paged_engine.layers.layernorm import RMSNorm
+from paged_engine.layers.linear import Linear, MergedLinear, QKVLinear
+from paged_engine.layers.rotary import RotaryEmbedding, rope_spec_from_config
+
+PACKED_MODULES_MAPPING: Mapping[str, tuple[str, str | int]] = MappingProxyType(
+    {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+)
+"""Checkpoint module name → (our fused module, shard id). Read-only: shared by all models."""
+
+
+def check_supported_config(config: Any) -> None:
+    """Raise ValueError for Qwen3 settings this implementation does not run.
+
+    Called by the loader before any weight is allocated, and by the model itself.
+    """
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise ValueError("sliding-window attention is not supported")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads {config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads {config.num_key_value_heads}"
+        )
+    rope_spec_from_config(config)
+
+
+def _head_dim(config: Any) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+
+class Qwen3Attention(nn.Module):
+    """qkv projection → per-head q/k RMSNorm → rotary → paged attention → o projection."""
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, rope_spec_from_config(config))
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
+        result: torch.Tensor = self.o_proj(out)
+        return result
+
+
+class Qwen3MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size])
+        self.down_proj = Linear(size, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return out
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; the residual stream rides the fused norms."""
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, backend)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it is added)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, decoder stack, final norm: packed tokens in, hidden states out."""
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen3DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # no decoder layers
+            normed: torch.Tensor = self.norm(hidden)
+            return normed
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """The whole model. Attention metadata comes from ``forward_context``, not arguments."""
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        check_supported_config(config)
+        self.config = config
+        self.packed_modules_mapping = PACKED_MODULES_MAPPING
+        self.model = Qwen3Model(config, backend)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[N]`` (the batch's packed tokens) → ``[N, hidden]``."""
+        hidden: torch.Tensor = self.model(input_ids, positions)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, hidden]`` (usually each sequence's last token) → ``[B, vocab]``."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits

@@ -1,0 +1,223 @@
+"""Load a Hugging Face Qwen3 checkpoint directory into ``Qwen3ForCausalLM``.
+
+Everything that can be wrong with a checkpoint is found before any real memory is spent:
+the directory, config.json, the architecture, the shard files, and every tensor's name and
+shape (read from the safetensors headers and checked against a model built on the meta
+device). Only then is the model allocated on the target device and the data copied in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+
+from paged_engine.models.qwen3 import (
+    PACKED_MODULES_MAPPING,
+    Qwen3ForCausalLM,
+    check_supported_config,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from paged_engine.layers.attention import AttentionBackend
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(slots=True, frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: a model parameter and its shard (None = whole)."""
+
+    param_name: str
+    shard_id: str | int | None
+
+
+def _check_architecture(model_dir: Path) -> None:
+    """Read config.json as plain JSON, so an unknown model type fails with our message.
+
+    The listed architectures decide (a ``Qwen3ForSequenceClassification`` checkpoint has
+    model_type "qwen3" but no LM head); model_type "qwen3" is accepted only when the
+    config lists no architectures at all.
+    """
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json ({config_path} is missing)")
+    raw = json.loads(config_path.read_text())
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        return
+    if not archs and model_type == "qwen3":
+        return
+    found = f"architectures {archs}" if archs else f"model_type {model_type!r}"
+    raise ValueError(
+        f"{model_dir}: unsupported model ({found}); supported architectures: "
+        f"{list(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files: the index's shards when an index exists, else every file."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        weight_map: Mapping[str, str] = json.loads(index_path.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index_path} names shard files that are missing: {missing}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
+    return files
+
+
+def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """Every tensor's shape and file, from the safetensors headers (no data is read)."""
+    shapes: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                if name in shapes:
+                    raise ValueError(f"tensor {name} appears in both {shapes[name][1]} and {path}")
+                shapes[name] = (tuple(f.get_slice(name).get_shape()), path)
+    return shapes
+
+
+def _target(checkpoint_name: str) -> _Target:
+    """Map a checkpoint tensor name to our parameter, through the packed modules."""
+    parts = checkpoint_name.split(".")
+    for i, part in enumerate(parts):
+        if part in PACKED_MODULES_MAPPING:
+            fused, shard_id = PACKED_MODULES_MAPPING[part]
+            return _Target(".".join([*parts[:i], fused, *parts[i + 1 :]]), shard_id)
+    return _Target(checkpoint_name, None)
+
+
+def _expected_names(model: torch.nn.Module) -> dict[str, str]:
+    """Checkpoint tensor names the model needs → our parameter name."""
+    unpacked: dict[str, list[str]] = {}
+    for src, (fused, _) in PACKED_MODULES_MAPPING.items():
+        unpacked.setdefault(fused, []).append(src)
+    expected: dict[str, str] = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        hits = [i for i, p in enumerate(parts) if p in unpacked]
+        if not hits:
+            expected[name] = name
+            continue
+        i = hits[0]
+        for src in unpacked[parts[i]]:
+            expected[".".join([*parts[:i], src, *parts[i + 1 :]])] = name
+    return expected
+
+
+def _is_ignorable(name: str, tied: bool) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+
+def _load_tensor(param: torch.nn.Parameter, tensor: torch.Tensor, shard_id: Any) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard_id)
+        return
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+    param.data.copy_(tensor)
+
+
+def _validate(
+    meta_model: Qwen3ForCausalLM,
+    shapes: Mapping[str, tuple[tuple[int, ...], Path]],
+    tied: bool,
+    model_dir: Path,
+) -> None:
+    """Missing, unexpected and misshapen tensors, each named; checked on meta tensors."""
+    expected = _expected_names(meta_model)
+    missing = sorted(set(expected) - set(shapes))
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} is missing tensor(s): {missing}")
+    unexpected = sorted(n for n in shapes if n not in expected and not _is_ignorable(n, tied))
+    if unexpected:
+        raise ValueError(f"checkpoint {model_dir} has unexpected tensor(s): {unexpected}")
+    params = dict(meta_model.named_parameters())
+    for name in expected:
+        target = _target(name)
+        fake = torch.empty(shapes[name][0], device="meta")
+        try:
+            _load_tensor(params[target.param_name], fake, target.shard_id)
+        except ValueError as err:
+            raise ValueError(f"tensor {name} (in {shapes[name][1].name}): {err}") from None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: AttentionBackend,
+) -> tuple[Qwen3ForCausalLM, PretrainedConfig]:
+    """Validate the checkpoint fully, then build the model on ``device`` in ``dtype``.
+
+    Raises FileNotFoundError (directory, config.json, shard or weight files missing) or
+    ValueError (unsupported architecture or settings; missing, unexpected or misshapen
+    tensors, each named) before anything is allocated on ``device``.
+    """
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    _check_architecture(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_supported_config(config)
+    files = _weight_files(path)
+    shapes = _checkpoint_shapes(files)
+    tied = bool(config.tie_word_embeddings)
+    with torch.device("meta"):
+        meta_model = Qwen3ForCausalLM(config, backend)
+    _validate(meta_model, shapes, tied, path)
+
+    with _default_dtype(dtype), torch.device(device):
+        model = Qwen3ForCausalLM(config, backend)
+    params = dict(model.named_parameters())
+    expected = _expected_names(model)
+    for path_ in files:
+        with safe_open(str(path_), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118
+                if name not in expected:
+                    continue
+                target = _target(name)
+                _load_tensor(params[target.param_name], f.get_tensor(name), target.shard_id)
+    return model.eval(), config
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
+    """The directory's tokenizer, or None when it has no tokenizer files."""
+    path = Path(model_dir)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return tokenizer
