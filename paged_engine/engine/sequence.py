@@ -41,6 +41,7 @@ class Sequence:
         "is_prefill",
         "last_token",
         "num_cached_tokens",
+        "num_prefix_hit_tokens",
         "num_prompt_tokens",
         "num_scheduled_tokens",
         "num_tokens",
@@ -76,6 +77,8 @@ class Sequence:
         self.num_prompt_tokens: int = len(tokens)
         self.num_cached_tokens: int = 0
         self.num_scheduled_tokens: int = 0
+        # Prompt tokens the prefix cache served at the first admission; None until then.
+        self.num_prefix_hit_tokens: int | None = None
         self.is_prefill: bool = True
         self.block_table: list[int] = []
         self.block_size: int = block_size
@@ -152,4 +155,5 @@ class Sequence:
         self.last_token = last[-1] if self.is_prefill else last
         self.status = SequenceStatus.RUNNING
         self.sampling_params = SamplingParams()
+        self.num_prefix_hit_tokens = None
         self.block_hashes = []

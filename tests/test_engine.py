@@ -1,0 +1,199 @@
+"""LLMEngine with the fake model: generate, abort, liveness, and every bad request refused
+before any state changes (the engine keeps serving everything else)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from paged_engine.config import EngineConfig
+from paged_engine.engine.indexing import num_blocks
+from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.sampling_params import SamplingParams
+from tests.engine_machine import VOCAB, build_engine
+from tests.fake_model import reference_generate
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def make_engine(**overrides: Any) -> LLMEngine:
+    cfg = dict(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=32,
+        kvcache_block_size=4,
+        num_kvcache_blocks=16,
+    )
+    cfg.update(overrides)
+    return build_engine(EngineConfig(**cfg), spec=False)
+
+
+def expected(prompt: list[int], params: SamplingParams, engine: LLMEngine) -> list[int]:
+    tokens, _ = reference_generate(
+        prompt,
+        params,
+        vocab_size=VOCAB,
+        eos_token_id=engine.eos_token_id,
+        max_model_len=engine.config.max_model_len,
+    )
+    return tokens
+
+
+def engine_state(engine: LLMEngine) -> object:
+    sched = engine.scheduler
+    return (
+        engine.block_manager.snapshot(),  # type: ignore[attr-defined]
+        [s.seq_id for s in sched.waiting],
+        [s.seq_id for s in sched.running],
+        dict(engine._requests),
+    )
+
+
+def test_generate_returns_outputs_in_input_order_with_per_prompt_params() -> None:
+    engine = make_engine()
+    prompts = [[1, 2, 3, 4, 1], [1, 2, 3, 4, 2], [3] * 9]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [tuple(p) for p in prompts]
+    for out, prompt, sp in zip(outs, prompts, params, strict=True):
+        assert list(out.token_ids) == expected(prompt, sp, engine)
+        assert out.finish_reason == "length"
+    # the second prompt shares a full block ([1, 2, 3, 4]) with the first, admitted before it
+    # was computed, so it is recomputed; a rerun is served from the prefix cache
+    again = engine.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert [o.num_cached_tokens for o in again] == [4, 4, 8]
+    stats = engine.last_run_stats
+    assert stats is not None and stats.cached_prompt_tokens == 16 and stats.prompt_tokens == 19
+
+
+def test_stop_reasons() -> None:
+    engine = make_engine()
+    prompt = [1, 2, 3]
+    free = expected(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), engine)
+    stop = free[2]
+    out = engine.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop,), ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert list(out.token_ids) == free[: free.index(stop) + 1] and out.finish_reason == "stop"
+    engine.eos_token_id = engine.scheduler.eos_token_id = free[1]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert list(out.token_ids) == free[: free.index(free[1]) + 1] and out.finish_reason == "stop"
+
+
+def test_abort_frees_blocks_at_once_and_others_finish() -> None:
+    engine = make_engine()
+    a = engine.add_request([1, 2, 3, 4, 0, 1], GREEDY)
+    b = engine.add_request([2, 2, 2], GREEDY)
+    engine.step()  # both admitted and prefilled
+    free_before = engine.block_manager.num_free_blocks
+    assert engine.abort_request(a)
+    assert engine.block_manager.num_free_blocks == free_before + 2
+    assert not engine.abort_request(a)  # already gone
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [b]
+    assert list(outs[0].token_ids) == expected([2, 2, 2], GREEDY, engine)
+
+
+def test_liveness_with_the_smallest_legal_pool() -> None:
+    """A pool holding exactly one max_model_len sequence: every request finishes."""
+    cfg = EngineConfig(
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        max_model_len=24,
+        kvcache_block_size=4,
+        num_kvcache_blocks=num_blocks(24, 4),
+    )
+    engine = build_engine(cfg, spec=False)
+    prompts = [[i % VOCAB, 1, 2, 3, i % 3, 4, 0, 1, 2, 3] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert list(out.token_ids) == expected(prompt, params, engine)
+    stats = engine.last_run_stats
+    assert stats is not None and stats.preemptions > 0
+    assert engine.block_manager.num_free_blocks == cfg.num_kvcache_blocks
+
+
+BAD_REQUESTS = [
+    ([], GREEDY, ValueError, "empty"),
+    ([1, -1], GREEDY, ValueError, "token 1 is -1"),
+    ([1, VOCAB], GREEDY, ValueError, f"outside the vocabulary \\[0, {VOCAB}\\)"),
+    ([1, 2.0], GREEDY, TypeError, "not an int"),
+    ([1, True], GREEDY, TypeError, "not an int"),
+    ("text", GREEDY, TypeError, "needs a tokenizer"),
+    (42, GREEDY, TypeError, "string or a list of token ids"),
+    ([1] * 30, SamplingParams(max_tokens=3), ValueError, "exceeds max_model_len"),
+    ([1, 2], {"max_tokens": 0}, ValueError, "max_tokens"),
+    ([1, 2], {"temperature": -0.5}, ValueError, "temperature"),
+    ([1, 2], {"top_p": 0.0}, ValueError, "top_p"),
+    ([1, 2], {"top_p": 1.5}, ValueError, "top_p"),
+    ([1, 2], {"top_k": 0}, ValueError, "top_k"),
+    ([1, 2], {"top_k": -2}, ValueError, "top_k"),
+    ([1, 2], {"temprature": 0.5}, TypeError, "temprature"),
+    ([1, 2], "greedy", TypeError, "sampling params"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "params", "exc", "words"), BAD_REQUESTS)
+def test_bad_request_is_refused_and_changes_nothing(
+    prompt: Any, params: Any, exc: type, words: str
+) -> None:
+    engine = make_engine()
+    busy = engine.add_request([4, 4, 4, 4, 4], GREEDY)  # other work in flight
+    engine.step()
+    before = engine_state(engine)
+    with pytest.raises(exc, match=words):
+        engine.add_request(prompt, params)
+    assert engine_state(engine) == before
+    # the engine keeps serving: the request in flight and a new one match the oracle
+    new = engine.add_request([1, 2, 3], GREEDY)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert list(outs[busy].token_ids) == expected([4, 4, 4, 4, 4], GREEDY, engine)
+    assert list(outs[new].token_ids) == expected([1, 2, 3], GREEDY, engine)
+    assert engine.block_manager.num_free_blocks == 16
+
+
+@pytest.mark.parametrize(("prompt", "params", "exc", "words"), BAD_REQUESTS)
+def test_generate_with_one_bad_request_queues_nothing(
+    prompt: Any, params: Any, exc: type, words: str
+) -> None:
+    engine = make_engine()
+    before = engine_state(engine)
+    with pytest.raises(exc, match=words):
+        engine.generate([[1, 2, 3], prompt], [GREEDY, params], use_tqdm=False)
+    assert engine_state(engine) == before and not engine.has_unfinished_requests()
+    out = engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
+    assert list(out.token_ids) == expected([1, 2, 3], GREEDY, engine)
+
+
+def test_a_request_larger_than_the_pool_is_refused() -> None:
+    engine = make_engine(num_kvcache_blocks=3, max_model_len=64)  # 12 token slots
+    with pytest.raises(ValueError, match="needs 4 KV blocks at full length but the pool has 3"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished_requests()
+    out = engine.generate(
+        [[1] * 10], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
+    assert len(out[0].token_ids) == 3
+
+
+def test_params_list_length_must_match_prompts() -> None:
+    engine = make_engine()
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        engine.generate([[1], [2], [3]], [GREEDY, GREEDY], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_generate_needs_an_idle_engine() -> None:
+    engine = make_engine()
+    engine.add_request([1, 2], GREEDY)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.generate([[1]], GREEDY, use_tqdm=False)
