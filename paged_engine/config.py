@@ -58,7 +58,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device:
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
         _positive_int("kv_cache_memory", self.kv_cache_memory)
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 < g <= 1:

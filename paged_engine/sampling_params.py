@@ -66,7 +66,5 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise TypeError(
-                f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}"
-            )
+            raise TypeError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
         return cls(**values)

@@ -31,12 +31,15 @@ ParamsLike = SamplingParams | dict[str, Any]
 
 
 class ModelRunner(Protocol):
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]: ...
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SequenceABC[int | None]:
+        """One sampled token per sequence; None (or anything) for a prefill chunk that
+        does not finish its prompt."""
+        ...
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def encode(self, text: Any) -> Any: ...
+    def decode(self, token_ids: Any, skip_special_tokens: bool = ...) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,14 +135,16 @@ class LLMEngine:
             )
         if not tokens:
             raise ValueError(f"{where}: the prompt is empty")
+        ids: list[int] = []
         for i, t in enumerate(tokens):
             if not isinstance(t, Integral) or isinstance(t, bool):
                 raise TypeError(f"{where}: token {i} is {t!r}, not an int")
-            if not 0 <= t < self.vocab_size:
+            if not 0 <= int(t) < self.vocab_size:
                 raise ValueError(
                     f"{where}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})"
                 )
-        return [int(t) for t in tokens]
+            ids.append(int(t))
+        return ids
 
     @staticmethod
     def _params(params: object, where: str) -> SamplingParams:
@@ -248,6 +253,7 @@ class LLMEngine:
         self.scheduler.stats.peak_blocks_in_use = 0
         outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
+        prefill_rate = decode_rate = 0.0
         start = time.perf_counter()
         try:
             while self.has_unfinished_requests():
@@ -259,11 +265,13 @@ class LLMEngine:
                     bar.update(1)
                 dt = max(time.perf_counter() - t0, 1e-9)
                 if stats.prefill_tokens > prefill0:
-                    bar.set_postfix_str(
-                        f"prefill {(stats.prefill_tokens - prefill0) / dt:,.0f} tok/s"
-                    )
+                    prefill_rate = (stats.prefill_tokens - prefill0) / dt
                 else:
-                    bar.set_postfix_str(f"decode {(stats.decode_tokens - decode0) / dt:,.0f} tok/s")
+                    decode_rate = (stats.decode_tokens - decode0) / dt
+                bar.set_postfix_str(
+                    f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
+                    refresh=False,  # redrawn at tqdm's own pace, not every step
+                )
         finally:
             bar.close()
         self.last_run_stats = _run_stats(

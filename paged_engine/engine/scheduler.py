@@ -28,6 +28,7 @@ look-ups, not hashing.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -178,7 +179,7 @@ class Scheduler:
     # ---- applying a step's results -------------------------------------------------------
 
     def postprocess(
-        self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool
+        self, seqs: list[Sequence], token_ids: Sequence_[int | None], is_prefill: bool
     ) -> list[Sequence]:
         """Register full blocks, advance counters, append sampled tokens, apply stop
         conditions, release finished sequences. Returns the sequences finished now."""
@@ -194,6 +195,7 @@ class Scheduler:
                 seq.is_prefill = False
             else:
                 self.stats.decode_tokens += 1
+            assert token is not None, "the model runner sampled no token for a finished prompt"
             seq.append_token(token)
             if self._stops(seq, token):
                 seq.status = SequenceStatus.FINISHED
