@@ -1,0 +1,375 @@
+"""Prefill attention over the paged KV cache: many new tokens per sequence, causal.
+
+Sequence ``i`` brings ``q_len_i`` new tokens, the LAST ``q_len_i`` of its ``seq_len_i``-token
+context; their K/V are already in the cache (``store_kv`` ran first), together with the
+``seq_len_i - q_len_i`` cached prefix tokens (a prefix-cache hit or earlier prefill chunks).
+Query token ``m`` (0-based among the new ones) sits at absolute position
+``seq_len_i - q_len_i + m`` and sees context tokens ``0 ..= that position``: the causal mask
+is aligned to the bottom-right corner, as in flash-attn.
+
+Reading everything through the block table (instead of taking this step's K/V from the
+projection) is what makes one kernel serve fresh prompts, prefix hits and chunked prefills.
+
+Design: one program per (query tile, sequence, KV head). The tile's rows are
+``BLOCK_M`` new tokens x all ``G`` query heads of the KV head (row ``r`` is token
+``r // G_pad``, head ``r % G_pad``), so each K/V tile loaded serves ``G`` heads at once, the
+same reuse the decode kernel gets. The program walks the context in ``BLOCK_N``-token tiles up
+to its last row's causal limit, gathering each token's physical block from the table, and
+keeps a float32 online softmax (base 2). Programs whose tile lies beyond their sequence's
+``q_len`` exit at once, so a batch of one long and many short prompts wastes only launches.
+"""
+
+# Triton kernels cannot carry Python annotations on their parameters (Triton reads
+# annotations as specialisation hints), and triton.jit is untyped: exempt just those two checks.
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from paged_engine.kernels.paged_decode_attention import gather_context_ref
+from paged_engine.kernels.store_kv import (
+    check_dtype,
+    check_int_vector,
+    check_kv_caches,
+    check_runnable,
+)
+
+_LOG2E = 1.4426950408889634
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference prefill attention in plain float32 torch, one sequence at a time.
+
+    Gathers the sequence's contiguous K/V through its block table, then computes
+    ``softmax(q k^T * scale + causal_mask) v`` where new token ``m`` may see context positions
+    ``<= seq_len - q_len + m``; query head ``h`` reads KV head ``h // (H // KVH)``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // k_cache.shape[2]
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    for b in range(seq_lens.shape[0]):
+        q_start, q_end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        q_len, context_len = q_end - q_start, int(seq_lens[b])
+        if q_len == 0:
+            continue
+        if q_len > context_len:
+            raise ValueError(f"sequence {b}: {q_len} new tokens but a context of {context_len}")
+        k = gather_context_ref(k_cache, block_tables[b], context_len).float()
+        v = gather_context_ref(v_cache, block_tables[b], context_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].float()  # [Q, H, D]
+        scores = torch.einsum("qhd,lhd->hql", q, k) * scale
+        positions = torch.arange(context_len - q_len, context_len, device=query.device)
+        visible = torch.arange(context_len, device=query.device)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[q_start:q_end] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), v)
+    return out.to(query.dtype)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_bt,
+    max_blocks,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    # Deliberate bugs for tests/kernel_mutants.py; the defaults are the correct kernel.
+    MUTANT_NO_CAUSAL_MASK: tl.constexpr = False,
+    MUTANT_BLOCK_WALK_FLOOR: tl.constexpr = False,
+    MUTANT_GQA_INTERLEAVED: tl.constexpr = False,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M * GROUP_P2
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile_start = tile * BLOCK_M
+    if tile_start >= q_len:
+        return
+    # Clamp to the table's width so a bad length cannot read past the block table.
+    context_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE)
+    prefix_len = context_len - q_len
+    if MUTANT_BLOCK_WALK_FLOOR:
+        context_len = (context_len // BLOCK_SIZE) * BLOCK_SIZE  # drops the partial last block
+
+    offs_r = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    token = tile_start + offs_r // GROUP_P2  # index among this sequence's new tokens
+    g = offs_r % GROUP_P2
+    if MUTANT_GQA_INTERLEAVED:  # noqa: SIM108 (keep the two mappings side by side)
+        heads = g * NUM_KV_HEADS + kv_head  # wrong: query head h -> KV head h % KVH
+    else:
+        heads = kv_head * GROUP + g
+    r_mask = (token < q_len) & (g < GROUP)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=r_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    position = prefix_len + token  # absolute position of each row's token
+
+    # Keys past the tile's last token are invisible to every row: stop the walk there.
+    if MUTANT_NO_CAUSAL_MASK:
+        kv_end = context_len
+    else:
+        kv_end = tl.minimum(prefix_len + tl.minimum(tile_start + BLOCK_M, q_len), context_len)
+
+    m_i = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch
+    for n_start in range(0, kv_end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + head_off
+        k_t = tl.load(
+            k_cache_ptr + rows[None, :] + offs_d[:, None],
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )
+        scores = tl.dot(q, k_t, input_precision="ieee") * qk_scale  # [BLOCK_Q, BLOCK_N]
+        visible = n_mask[None, :]
+        if not MUTANT_NO_CAUSAL_MASK:
+            visible = visible & (offs_n[None, :] <= position[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr + rows[:, None] + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def _check_prefill_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int, int, int]:
+    what = "paged_prefill_attention"
+    _, block_size, num_kv_heads, head_dim = check_kv_caches(what, k_cache, v_cache)
+    if query.dim() != 3:
+        raise ValueError(f"{what}: query must be [N, H, D], got shape {tuple(query.shape)}")
+    _, num_heads, q_dim = query.shape
+    if q_dim != head_dim:
+        raise ValueError(f"{what}: query head_dim {q_dim} != cache head_dim {head_dim}")
+    if not 16 <= head_dim <= 256:
+        raise ValueError(f"{what}: head_dim must be in [16, 256], got {head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{what}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if query.stride(2) != 1:
+        raise ValueError(f"{what}: query needs unit stride on its last dim, got {query.stride()}")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"{what}: query dtype {query.dtype} != cache dtype {k_cache.dtype}")
+    if block_tables.dim() != 2:
+        raise ValueError(
+            f"{what}: block_tables must be [B, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    batch = block_tables.shape[0]
+    if block_tables.dtype != torch.int32:
+        raise ValueError(f"{what}: block_tables must be int32, got {block_tables.dtype}")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(
+            f"{what}: block_tables rows must be contiguous, got {block_tables.stride()}"
+        )
+    check_int_vector(what, "query_start_loc", query_start_loc, batch + 1, torch.int32)
+    check_int_vector(what, "seq_lens", seq_lens, batch, torch.int32)
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"{what}: max_query_len must be a non-negative int, got {max_query_len!r}")
+    if out is not None:
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError(
+                f"{what}: out must be {tuple(query.shape)} {query.dtype}, "
+                f"got {tuple(out.shape)} {out.dtype}"
+            )
+        if out.stride(2) != 1:
+            raise ValueError(f"{what}: out needs unit stride on its last dim, got {out.stride()}")
+    check_dtype(_prefill_kernel, what, query.dtype)
+    tensors = [query, k_cache, v_cache, block_tables, query_start_loc, seq_lens]
+    check_runnable(_prefill_kernel, what, *tensors, *([out] if out is not None else []))
+    return batch, num_heads, num_kv_heads, head_dim, block_size
+
+
+def _default_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """(query rows, keys, warps) per tile.
+
+    16-bit: 128x64 with 8 warps up to D=128 (wgmma-sized), 64x32 with 4 warps at D=256.
+    float32 (a testing dtype) runs its dots on FMA units and spills registers beyond 32x16.
+    Checked by compiling for sm_90 offline: no spills with these choices.
+    """
+    if dtype.itemsize >= 4:
+        return 32, 16, 8
+    if triton.next_power_of_2(head_dim) <= 128:
+        return 128, 64, 8
+    return 64, 32, 4
+
+
+def _paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    kernel_flags: Mapping[str, bool] | None = None,
+) -> torch.Tensor:
+    """The launcher proper; ``kernel_flags`` switch on the deliberate bugs (tests only)."""
+    what = "paged_prefill_attention"
+    batch, num_heads, num_kv_heads, head_dim, block_size = _check_prefill_args(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, out
+    )
+    if out is None:
+        out = torch.empty_like(query)
+    if batch == 0 or max_query_len == 0 or query.shape[0] == 0 or num_heads == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    rows, default_n, num_warps = _default_tiles(query.dtype, head_dim)
+    if block_m is None:
+        block_m = max(1, rows // group_p2)
+    if block_n is None:
+        block_n = default_n
+    if block_m < 1 or block_m & (block_m - 1) or block_m * group_p2 < 16:
+        raise ValueError(
+            f"{what}: block_m must be a power of two with block_m * {group_p2} >= 16 rows, "
+            f"got {block_m}"
+        )
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{what}: block_n must be a power of two >= 16, got {block_n}")
+    grid = (triton.cdiv(max_query_len, block_m), batch, num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_P2=group_p2,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=2,
+        **(kernel_flags or {}),
+    )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context; ``[N, H, D]``.
+
+    ``query`` ``[N, H, D]`` packs the batch's new tokens (sequence ``i`` owns rows
+    ``query_start_loc[i]:query_start_loc[i + 1]``); they are the last ``q_len_i`` tokens of a
+    ``seq_lens[i]``-token context already stored in the cache. ``block_tables`` ``[B,
+    max_blocks]`` int32 padded with -1; ``query_start_loc`` ``[B + 1]`` and ``seq_lens``
+    ``[B]`` int32; ``max_query_len`` a host-side bound on ``q_len`` that sizes the grid (tokens
+    beyond it are not computed). Query head ``h`` reads KV head ``h // (H // KVH)``.
+
+    Keyword-only tuning knobs: ``block_m`` (new tokens per tile; the tile has ``block_m *
+    next_pow2(H // KVH)`` rows, which must be >= 16) and ``block_n`` (keys per tile, a power of
+    two >= 16). Lengths and block ids are not checked on the device (a sync per step):
+    ``q_len > seq_len`` or -1 entries inside a context are undefined behaviour.
+    """
+    return _paged_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        max_query_len,
+        scale,
+        out,
+        block_m=block_m,
+        block_n=block_n,
+    )

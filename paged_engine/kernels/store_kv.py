@@ -1,0 +1,215 @@
+"""Scatter one step's new K/V rows into the paged KV cache.
+
+Every attention backend runs this before attending: the attention kernels read the whole
+context, including this step's tokens, through the block table, so the new rows must already
+sit in their slots. ``slot_mapping[i]`` is the flat slot (``block_id * block_size + offset``)
+of token ``i``; -1 marks a token whose K/V must not be written (a padded row, or a token whose
+block is shared and already filled by a prefix-cache hit).
+
+The module also holds the cache-layout and device checks that the attention launchers share,
+because the cache layout is defined by what this kernel writes.
+"""
+
+# Triton kernels cannot carry Python annotations on their parameters (Triton reads
+# annotations as specialisation hints), and triton.jit is untyped: exempt just those two checks.
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+"""Cache/activation dtypes the kernels accept on a GPU."""
+
+INTERPRETER_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.float32)
+"""Dtypes that compute correctly under ``TRITON_INTERPRET=1`` (its bfloat16 maths is broken)."""
+
+
+def kernel_is_interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` was built for Triton's CPU interpreter.
+
+    Triton decides at decoration time, i.e. when the kernel module is first imported, from
+    ``TRITON_INTERPRET``; setting the variable later changes nothing. Checking the kernel
+    object itself is therefore the only reliable way to know what a launch will do.
+    """
+    return isinstance(kernel, InterpretedFunction)
+
+
+def check_runnable(kernel: object, what: str, *tensors: torch.Tensor) -> None:
+    """Raise ValueError unless ``kernel`` can run on the tensors' (shared) device.
+
+    A compiled kernel needs CUDA tensors; an interpreted one runs anywhere (slowly).
+    """
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{what}: all tensors must be on one device, got {names}")
+    device = next(iter(devices))
+    if device.type != "cuda" and not kernel_is_interpreted(kernel):
+        raise ValueError(
+            f"{what}: tensors are on {device} but the Triton kernel was compiled for a GPU; "
+            "on a machine without CUDA set TRITON_INTERPRET=1 before importing "
+            "paged_engine.kernels modules"
+        )
+
+
+def check_dtype(kernel: object, what: str, dtype: torch.dtype) -> None:
+    """Raise ValueError for dtypes the kernels (or the interpreter running them) cannot do."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{what}: dtype {dtype} is not supported; use float16, bfloat16, float32")
+    if kernel_is_interpreted(kernel) and dtype not in INTERPRETER_DTYPES:
+        raise ValueError(
+            f"{what}: dtype {dtype} is unsupported under TRITON_INTERPRET=1 (the interpreter's "
+            "bfloat16 arithmetic is broken); use float16 or float32 there"
+        )
+
+
+def check_kv_caches(what: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    """Validate a K/V cache pair; return ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+
+    The kernels index the caches with one set of strides, so both must have the same shape,
+    dtype and (contiguous) layout.
+    """
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"{what}: k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{what}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{what}: v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not cache.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous, got strides {cache.stride()}")
+    return tuple(k_cache.shape)
+
+
+def check_int_vector(
+    what: str, name: str, t: torch.Tensor, length: int, dtype: torch.dtype
+) -> None:
+    """Validate a contiguous 1-D metadata tensor of ``length`` elements of ``dtype``."""
+    if t.dim() != 1 or t.shape[0] != length:
+        raise ValueError(f"{what}: {name} must have shape [{length}], got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{what}: {name} must be {dtype}, got {t.dtype}")
+    if length > 1 and t.stride(0) != 1:
+        raise ValueError(f"{what}: {name} must be contiguous, got stride {t.stride(0)}")
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference scatter, in plain torch: ``cache.flat[slot] = row`` for every slot != -1."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep]
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep]
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_slot,
+    stride_ch,
+    stride_sm,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per token: it moves all heads of that token's K and V row, so a slot is
+    # read once and the writes to the cache are contiguous (heads and dims are adjacent).
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token * stride_sm).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    # A skipped token (slot -1) writes zero heads: masking instead of returning early keeps
+    # the kernel branch-free, and a skipped token costs one scalar load.
+    num_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask)
+    v = tl.load(value_ptr + token * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask)
+    dst = slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, k, mask)
+    tl.store(v_cache_ptr + dst, v, mask)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into their cache slots.
+
+    ``key``/``value`` may be strided views (e.g. slices of a fused QKV projection) as long as
+    the last dimension is contiguous; the caches must be contiguous
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``. Slots equal to -1 are skipped. Slot
+    values are not range-checked (that would need a device sync every step): a slot outside
+    ``[0, num_blocks * block_size)`` is undefined behaviour, exactly as in vLLM.
+    """
+    what = "store_kv"
+    _, _, num_kv_heads, head_dim = check_kv_caches(what, k_cache, v_cache)
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{what}: {name} must be [N, {num_kv_heads}, {head_dim}] to match the cache, "
+                f"got {tuple(t.shape)}"
+            )
+        if t.stride(2) != 1 and head_dim > 1:
+            raise ValueError(
+                f"{what}: {name} must have unit stride on its last dim, got strides {t.stride()}"
+            )
+        if t.dtype != k_cache.dtype:
+            raise ValueError(f"{what}: {name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
+    if value.shape != key.shape:
+        raise ValueError(f"{what}: value shape {tuple(value.shape)} != key {tuple(key.shape)}")
+    num_tokens = key.shape[0]
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"{what}: slot_mapping must have shape [{num_tokens}], got {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    check_dtype(_store_kv_kernel, what, k_cache.dtype)
+    check_runnable(_store_kv_kernel, what, key, value, k_cache, v_cache, slot_mapping)
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        slot_mapping.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

@@ -1,0 +1,134 @@
+"""The flash-attn backend: Tri Dao's kernels for attention, our Triton kernel for the store.
+
+* Decode: ``flash_attn_with_kvcache`` with ``cache_seqlens`` and ``block_table`` (the query is
+  ``[B, 1, H, D]``; with one query row, ``causal=True`` lets it see the whole context).
+* Prefill with a cached prefix (prefix-cache hit, later prefill chunk):
+  ``flash_attn_varlen_func`` on the cache itself, with ``block_table=``, ``cu_seqlens_k`` the
+  cumulative *context* lengths and ``causal=True``; flash-attn aligns the causal mask to the
+  bottom-right corner, i.e. the new tokens are the context's last ones, which is our layout.
+* Prefill without a prefix, and the warm-up pass on an empty cache: plain varlen attention
+  over the step's own K/V, which skips the block-table indirection.
+
+flash-attn is optional and CUDA-only, so it is imported in the constructor, which refuses
+(with the reason) any configuration flash-attn cannot run: no CUDA, a block size that is not a
+multiple of 256 (its paged-cache requirement), a dtype other than float16/bfloat16, or the
+package missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from paged_engine.layers.attention import AttentionMetadata
+
+FLASH_BLOCK_MULTIPLE = 256
+"""flash-attn's paged KV cache needs ``page_block_size % 256 == 0``."""
+
+
+class FlashAttnBackend:
+    """Attention over the paged KV cache with flash-attn (>= 2.6, for ``block_table``)."""
+
+    name = "flash-attn"
+
+    def __init__(self, block_size: int, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"FlashAttnBackend: flash-attn supports float16/bfloat16, not {dtype}")
+        if not isinstance(block_size, int) or block_size <= 0 or block_size % FLASH_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"FlashAttnBackend: flash-attn's paged KV cache needs block_size to be a positive "
+                f"multiple of {FLASH_BLOCK_MULTIPLE}, got {block_size!r}"
+            )
+        if not torch.cuda.is_available():
+            raise ValueError("FlashAttnBackend: flash-attn needs a CUDA device; none is available")
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        except ImportError as exc:
+            raise ValueError(
+                f"FlashAttnBackend: flash-attn is not importable ({exc}); "
+                "install it with `pip install flash-attn>=2.6`"
+            ) from exc
+        # The store kernel is ours (flash-attn has no standalone scatter); imported here so
+        # that merely importing this module never pulls in Triton.
+        from paged_engine.kernels.store_kv import store_kv
+
+        self._varlen: Callable[..., torch.Tensor] = flash_attn_varlen_func
+        self._with_kvcache: Callable[..., torch.Tensor] = flash_attn_with_kvcache
+        self._store_kv = store_kv
+        self.block_size = block_size
+        self.dtype = dtype
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter the rows whose slot is not -1 into the cache; no-op on an empty cache."""
+        if k_cache.numel() == 0:
+            return
+        self._store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries over each sequence's whole context."""
+        if k_cache.numel() == 0:
+            if meta.has_cached_prefix:
+                raise ValueError("attention over a cached prefix needs a KV cache; it is empty")
+            return self._varlen(
+                query,
+                key,
+                value,
+                cu_seqlens_q=meta.query_start_loc,
+                cu_seqlens_k=meta.query_start_loc,
+                max_seqlen_q=meta.max_query_len,
+                max_seqlen_k=meta.max_query_len,
+                softmax_scale=scale,
+                causal=True,
+            )
+        if not meta.is_prefill:
+            out = self._with_kvcache(
+                query.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        if meta.has_cached_prefix:
+            return self._varlen(
+                query,
+                k_cache,
+                v_cache,
+                cu_seqlens_q=meta.query_start_loc,
+                cu_seqlens_k=meta.seq_start_loc,
+                max_seqlen_q=meta.max_query_len,
+                max_seqlen_k=meta.max_seq_len,
+                softmax_scale=scale,
+                causal=True,
+                block_table=meta.block_tables,
+            )
+        return self._varlen(
+            query,
+            key,
+            value,
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=meta.seq_start_loc,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+        )

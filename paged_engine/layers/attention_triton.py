@@ -1,0 +1,127 @@
+"""The Triton attention backend: our own kernels for the paged KV cache.
+
+``store_kv`` scatters the step's K/V rows with the store kernel; ``attend`` sends a decode
+step (one new token per sequence) to the split-K decode kernel and anything else to the
+prefill kernel, which reads the whole context (cached prefix + new tokens) through the block
+table. Both kernels run compiled on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (slowly; for
+tests), which is why the constructor checks that one of the two is really available.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from paged_engine.kernels.paged_decode_attention import is_interpreted, paged_decode_attention
+from paged_engine.kernels.paged_prefill_attention import paged_prefill_attention
+from paged_engine.kernels.store_kv import INTERPRETER_DTYPES, SUPPORTED_DTYPES, store_kv
+from paged_engine.layers.attention import AttentionMetadata
+
+
+def triton_backend_problem(block_size: int, dtype: torch.dtype) -> str | None:
+    """Why the Triton backend cannot run with this configuration here, or None if it can."""
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        return f"block_size must be a positive power of two, got {block_size!r}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not supported; use float16, bfloat16 or float32"
+    interpreted = is_interpreted()
+    if not interpreted and not torch.cuda.is_available():
+        return (
+            "no CUDA device, and the Triton kernels were not built for the CPU interpreter: "
+            "set TRITON_INTERPRET=1 before paged_engine.kernels is first imported"
+        )
+    if interpreted and dtype not in INTERPRETER_DTYPES:
+        return (
+            f"dtype {dtype} is unsupported under TRITON_INTERPRET=1 (the interpreter's bfloat16 "
+            "arithmetic is broken); use float16 or float32 there, or run on CUDA"
+        )
+    return None
+
+
+def causal_attention_uncached(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_lens: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Per-sequence causal attention over the step's own K/V (warm-up: no cache exists yet).
+
+    Host-side lengths drive the slicing, so there is no device sync; SDPA keeps the memory
+    linear in the sequence length, which matters because warm-up runs the longest batch.
+    """
+    out = torch.empty_like(query)
+    group = query.shape[1] // key.shape[1]
+    starts = [0, *itertools.accumulate(query_lens)]
+    for s, e in itertools.pairwise(starts):
+        if s == e:
+            continue
+        q = query[s:e].transpose(0, 1)  # [H, n, d]
+        k = key[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
+        v = value[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+class TritonAttentionBackend:
+    """Attention over the paged KV cache with this package's Triton kernels."""
+
+    name = "triton"
+
+    def __init__(self, block_size: int, dtype: torch.dtype) -> None:
+        problem = triton_backend_problem(block_size, dtype)
+        if problem is not None:
+            raise ValueError(f"TritonAttentionBackend: {problem}")
+        self.block_size = block_size
+        self.dtype = dtype
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter the rows whose slot is not -1 into the cache; no-op on an empty cache."""
+        if k_cache.numel() == 0:
+            return
+        store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries over each sequence's whole context.
+
+        The decode kernel sizes its split plan from the block table's width rather than
+        ``meta.max_seq_len``: the table is what CUDA-graph capture fixes, so a graph captured
+        on short contexts still covers the long ones it replays.
+        """
+        if k_cache.numel() == 0:
+            if meta.has_cached_prefix:
+                raise ValueError("attention over a cached prefix needs a KV cache; it is empty")
+            return causal_attention_uncached(query, key, value, meta.query_lens_cpu, scale)
+        if not meta.is_prefill:
+            return paged_decode_attention(
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+            )
+        return paged_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.max_query_len,
+            scale,
+        )
