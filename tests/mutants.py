@@ -47,14 +47,8 @@ class R3ForwardRelease(BlockManager):
     """Release walks the table first to last, so shared prefixes are evicted first."""
 
     def deallocate(self, seq: Sequence) -> None:
-        if not seq.block_table:
-            raise RuntimeError("deallocate: the sequence holds no blocks")
-        for block in seq.block_table:
-            self.ref_counts[block] -= 1
-            if not self.ref_counts[block]:
-                self.free_blocks[block] = None
-        seq.block_table.clear()
-        seq.num_cached_tokens = 0
+        seq.block_table.reverse()  # the real release walks backwards: undo that
+        super().deallocate(seq)
 
 
 class R1LifoReuse(BlockManager):
@@ -88,7 +82,7 @@ class R4NoPrefixChain(BlockManager):
 
     def __init__(self, num_blocks: int, block_size: int, **kwargs: Any) -> None:
         super().__init__(num_blocks, block_size, **kwargs)
-        self._hash = lambda tokens, prefix: xxh64_block_hash(tokens, None)
+        self._hash_fn = lambda tokens, prefix: xxh64_block_hash(tokens, None)
 
 
 class R10NoTokenVerification(BlockManager):
@@ -117,6 +111,7 @@ class R7ModOneGrowth(BlockManager):
         if self._starts_block(seq):
             if not self.free_blocks:
                 raise RuntimeError("may_append: no free block")
+            self._state_changed()
             seq.block_table.append(self._fresh_block())
 
 

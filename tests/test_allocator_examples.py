@@ -173,9 +173,7 @@ def test_each_full_block_is_hashed_once_per_sequence_lifetime() -> None:
 
 def test_prefix_caching_off_registers_and_finds_nothing() -> None:
     bm = BlockManager(8, 2, enable_prefix_caching=False)
-    a, b = Sequence([1, 2, 3, 4, 5]), Sequence([1, 2, 3, 4, 6])
-    for s in (a, b):
-        s.block_size = 2
+    a, b = Sequence([1, 2, 3, 4, 5], block_size=2), Sequence([1, 2, 3, 4, 6], block_size=2)
     prefill(bm, a)
     assert prefill(bm, b) == 0
     assert bm.snapshot().hash_to_block == ()
