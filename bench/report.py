@@ -1,0 +1,112 @@
+"""Print the allocator benchmark's figures and targets from the newest saved run.
+
+Usage: ``python bench/report.py [RUN.json | DIR]`` (default: the newest ``*.json`` under
+``.benchmarks/`` of the current directory, else of the repository root).
+
+Per scenario it prints the engine's and the spec's microseconds per sequence-step, the
+spec/engine ratio, and pass/miss against the scenario's targets, which the benchmark
+stored in ``extra_info``. The verdicts use the *fastest* round of each: the workload is
+deterministic, so on a machine shared with other jobs the minimum is the estimate least
+contaminated by them (the advice of ``timeit``). Medians are printed beside, and a verdict
+that the medians would reverse is flagged, so nothing is hidden by the choice.
+
+Targets are *reported*, never enforced: the exit status is 0 whatever the figures (1 only
+when there is no saved run to read), so a slow machine cannot fail a build; regressions
+are ``bench-compare``'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def newest_run(where: Path | None = None) -> Path | None:
+    """The most recently written pytest-benchmark JSON under ``where``."""
+    if where is not None and where.is_file():
+        return where
+    dirs = [where] if where is not None else [Path.cwd() / ".benchmarks", ROOT / ".benchmarks"]
+    for d in dirs:
+        runs = sorted(d.glob("**/*.json"), key=lambda p: (p.stat().st_mtime, p.name))
+        if runs:
+            return runs[-1]
+    return None
+
+
+def _collect(run: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{scenario: {allocator: extra_info}}`` for the benchmarks that carry figures."""
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for bench in run.get("benchmarks", []):
+        info = bench.get("extra_info", {})
+        if info.get("suite") == "allocator" and "us_per_seq_step_min" in info:
+            table.setdefault(info["scenario"], {})[info["allocator"]] = info
+    return table
+
+
+def _verdict(ok: bool, ok_by_median: bool) -> str:
+    """pass/MISS by the fastest rounds; a trailing ``*`` when the medians disagree."""
+    return ("pass" if ok else "MISS") + ("" if ok == ok_by_median else "*")
+
+
+def report(path: Path) -> str:
+    run = json.loads(path.read_text())
+    lines = [f"allocator benchmark: {path}"]
+    machine = run.get("machine_info", {})
+    commit = run.get("commit_info", {})
+    lines.append(
+        f"  {run.get('datetime', '?')}  {machine.get('node', '?')}  "
+        f"{machine.get('python_implementation', '')} {machine.get('python_version', '')}  "
+        f"commit {str(commit.get('id', '?'))[:10]}{' (dirty)' if commit.get('dirty') else ''}"
+    )
+    header = (
+        f"{'scenario':<23}{'engine us/ss':>14}{'spec us/ss':>15}{'spec/engine':>17}"
+        f"{'ratio target':>15}{'engine target':>15}{'preempt':>8}{'hit rate':>9}"
+        f"{'seq-steps':>10}"
+    )
+    lines += ["", header, "-" * len(header)]
+    table = _collect(run)
+    if not table:
+        lines.append("(no allocator benchmarks with timings in this run)")
+    for scenario, pair in table.items():
+        engine, spec = pair.get("engine"), pair.get("spec")
+        if engine is None or spec is None:
+            lines.append(f"{scenario:<23}  incomplete: only {', '.join(pair)} ran")
+            continue
+        e_min, s_min = engine["us_per_seq_step_min"], spec["us_per_seq_step_min"]
+        e_med, s_med = engine["us_per_seq_step_median"], spec["us_per_seq_step_median"]
+        ratio, ratio_med = s_min / e_min, s_med / e_med
+        min_ratio, max_us = engine["target_min_ratio"], engine["target_max_us"]
+        ratio_cell = f">={min_ratio:g}x {_verdict(ratio >= min_ratio, ratio_med >= min_ratio)}"
+        us_cell = f"<={max_us:g}us {_verdict(e_min <= max_us, e_med <= max_us)}"
+        lines.append(
+            f"{scenario:<23}{e_min:>6.2f} ({e_med:5.2f}){s_min:>7.1f} ({s_med:5.1f})"
+            f"{ratio:>7.1f}x ({ratio_med:5.1f}x){ratio_cell:>15}{us_cell:>15}"
+            f"{engine['preemptions']:>8}{engine['prefix_hit_rate']:>9.1%}{engine['seq_steps']:>10}"
+        )
+        if engine["seq_steps"] != spec["seq_steps"]:
+            lines.append(f"{'':<23}  warning: engine and spec ran different amounts of work")
+    lines += [
+        "",
+        "us/ss: microseconds per sequence-step (one sequence scheduled in one step), fastest "
+        "round (median in parentheses).",
+        "Verdicts use the fastest rounds; * = the medians give the opposite verdict. "
+        "Targets are reported, not enforced.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    path = newest_run(Path(argv[1]) if len(argv) > 1 else None)
+    if path is None:
+        print("no saved pytest-benchmark run found (run pytest bench --benchmark-autosave)")
+        return 1
+    print(report(path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
