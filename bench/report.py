@@ -89,6 +89,7 @@ def report(path: Path) -> str:
         )
         if engine["seq_steps"] != spec["seq_steps"]:
             lines.append(f"{'':<23}  warning: engine and spec ran different amounts of work")
+    lines += _scheduler_lines(run)
     lines += [
         "",
         "us/ss: microseconds per sequence-step (one sequence scheduled in one step), fastest "
@@ -97,6 +98,32 @@ def report(path: Path) -> str:
         "Targets are reported, not enforced.",
     ]
     return "\n".join(lines)
+
+
+def _scheduler_lines(run: dict[str, Any]) -> list[str]:
+    """The scheduler suite: the whole LLMEngine loop over the same trace and scenarios."""
+    rows = [
+        b["extra_info"]
+        for b in run.get("benchmarks", [])
+        if b.get("extra_info", {}).get("suite") == "scheduler"
+    ]
+    if not rows:
+        return []
+    header = f"{'engine loop':<23}{'us/ss':>14}{'target':>15}{'preempt':>8}{'hit rate':>9}"
+    lines = ["", header, "-" * len(header)]
+    for info in rows:
+        e_min, e_med, target = (
+            info["us_per_seq_step_min"],
+            info["us_per_seq_step_median"],
+            info["target_us"],
+        )
+        verdict = _verdict(e_min <= target, e_med <= target)
+        lines.append(
+            f"{info['scenario']:<23}{e_min:>6.2f} ({e_med:5.2f})"
+            f"{f'<={target:g}us {verdict}':>15}{info['preemptions']:>8}"
+            f"{info['prefix_hit_rate']:>9.1%}"
+        )
+    return lines
 
 
 def main(argv: list[str]) -> int:

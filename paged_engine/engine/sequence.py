@@ -64,11 +64,12 @@ class Sequence:
         tokens = list(token_ids)
         if not tokens:
             raise ValueError("a sequence needs at least one token")
-        for t in tokens:
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise TypeError(f"token ids must be ints, got {t!r}")
-            if not 0 <= t <= _INT64_MAX:
-                raise ValueError(f"token ids must be in [0, 2**63), got {t}")
+        if set(map(type, tokens)) != {int}:  # C-speed scan; bool and floats are refused
+            bad = next(t for t in tokens if type(t) is not int)
+            raise TypeError(f"token ids must be ints, got {bad!r}")
+        if min(tokens) < 0 or max(tokens) > _INT64_MAX:
+            bad = next(t for t in tokens if not 0 <= t <= _INT64_MAX)
+            raise ValueError(f"token ids must be in [0, 2**63), got {bad}")
         self.seq_id: int = next(_seq_ids) if seq_id is None else seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids: list[int] = tokens
