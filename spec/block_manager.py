@@ -32,6 +32,10 @@ def xxh64_block_hash(token_ids: tuple[int, ...], prefix: int | None) -> int:
 def simple_block_hash(token_ids: tuple[int, ...], prefix: int | None) -> int:
     """A pure-Python chained hash for CrossHair, which cannot see inside xxhash's C code.
 
+    Only full blocks are hashed, so ``token_ids`` is never empty (an empty block with a
+    prefix of ``2**64 - 1`` would hash to ``2**64``).
+
+    pre: len(token_ids) >= 1
     post: 0 <= __return__ < 2 ** 64
     """
     h = 0 if prefix is None else prefix + 1
@@ -50,7 +54,10 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = xxh64_block_hash):
-        """
+        """Raises ValueError for an empty pool or block size (the pre: lines below).
+
+        pre: num_blocks >= 1
+        pre: block_size >= 1
         post: self.free_queue == list(range(num_blocks))
         """
         if num_blocks < 1:
@@ -110,6 +117,7 @@ class BlockManager:
         """R5: the number of prefix-cache hits, or None when the free queue is too short.
 
         pre: len(seq.token_ids) >= 1
+        pre: seq.block_size == self.block_size
         post: __return__ is None or 0 <= __return__ < seq.num_blocks
         """
         hits = self._lookup(seq)
@@ -121,6 +129,8 @@ class BlockManager:
         """R6: share the hits in use, revive the hits in the free queue, then fresh blocks.
 
         pre: len(seq.token_ids) >= 1
+        pre: seq.block_size == self.block_size
+        raises: ValueError, RuntimeError
         post: len(seq.block_table) == seq.num_blocks
         post: seq.num_cached_tokens == num_cached_blocks * self.block_size
         """
@@ -149,6 +159,7 @@ class BlockManager:
         """R7: True unless the newest token starts a block and no block is free.
 
         pre: len(seq.token_ids) >= 1
+        pre: seq.block_size == self.block_size
         """
         return self.num_free_blocks >= needs_new_block(len(seq), self.block_size)
 
@@ -156,6 +167,8 @@ class BlockManager:
         """R7: give the sequence a fresh block when its newest token starts one.
 
         pre: len(seq.token_ids) >= 1
+        pre: seq.block_size == self.block_size
+        raises: RuntimeError
         post: len(seq.block_table) == seq.num_blocks
         """
         if not seq.block_table:
@@ -174,6 +187,10 @@ class BlockManager:
     def hash_blocks(self, seq: SpecSequence) -> None:
         """R8: register the blocks that became full in the step just computed.
 
+        pre: seq.block_size == self.block_size
+        pre: all(0 <= b < self.num_blocks and self.ref_counts[b] > 0 for b in seq.block_table)
+        pre: len(set(seq.block_table)) == len(seq.block_table)
+        raises: ValueError, RuntimeError
         post: seq.num_cached_tokens == __old__.seq.num_cached_tokens
         """
         cached, scheduled = seq.num_cached_tokens, seq.num_scheduled_tokens
@@ -200,6 +217,8 @@ class BlockManager:
     def deallocate(self, seq: SpecSequence) -> None:
         """R3: release last block first; freed blocks keep hash and tokens (lazy eviction).
 
+        pre: all(0 <= b < self.num_blocks and self.ref_counts[b] >= seq.block_table.count(b) for b in seq.block_table)
+        raises: RuntimeError
         post: seq.block_table == []
         post: seq.num_cached_tokens == 0
         """
@@ -223,7 +242,11 @@ class BlockManager:
         )
 
     def check_invariants(self, seqs: list[SpecSequence] | None = None) -> None:
-        """R12; raises AssertionError naming the broken invariant."""
+        """R12; raises AssertionError naming the broken invariant.
+
+        pre: seqs is None or all(0 <= b < self.num_blocks for s in seqs for b in s.block_table)
+        raises: AssertionError
+        """
         used = self.used_blocks()
         if sorted(self.free_queue + used) != list(range(self.num_blocks)):
             raise AssertionError("free queue and used blocks do not partition the pool")
