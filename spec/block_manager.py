@@ -98,6 +98,10 @@ class BlockManager:
 
     def _lookup(self, seq: SpecSequence) -> list[int]:
         """R5, R10: blocks holding the sequence's leading full blocks, never the last one."""
+        if seq.block_size != self.block_size:
+            raise ValueError(
+                f"the sequence's block_size {seq.block_size} != the allocator's {self.block_size}"
+            )
         hits: list[int] = []
         h = None
         for i in range(seq.num_blocks - 1):

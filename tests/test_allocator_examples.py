@@ -276,3 +276,12 @@ def test_hash_blocks_with_counters_beyond_the_sequence_is_refused(impl: tuple[An
     bm.allocate(seq, 0)
     seq.num_scheduled_tokens = 4
     _refused(bm, seq, lambda: bm.hash_blocks(seq), ValueError, "outside a 3-token sequence")
+
+
+def test_a_sequence_with_another_block_size_is_refused(impl: tuple[Any, Any]) -> None:
+    bm_cls, make = impl
+    bm = bm_cls(8, 4)
+    seq = make([1, 2, 3, 4, 5], 2)
+    with pytest.raises(ValueError, match="block_size 2 != the allocator's 4"):
+        bm.can_allocate(seq)
+    _refused(bm, seq, lambda: bm.allocate(seq, 0), ValueError, "block_size 2")

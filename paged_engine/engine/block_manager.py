@@ -149,6 +149,10 @@ class BlockManager:
         """R5: the hits and the free blocks admitting ``seq`` costs (a hit in use costs
         nothing; a revived hit and each fresh block cost one), remembered until the state
         or the sequence changes."""
+        if seq.block_size != self.block_size:
+            raise ValueError(
+                f"the sequence's block_size {seq.block_size} != the allocator's {self.block_size}"
+            )
         memo = self._memo
         if (
             memo is not None
