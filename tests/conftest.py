@@ -8,6 +8,14 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Triton kernels run under its interpreter on machines without CUDA. Triton reads the
+# variable when it is first imported, so it is set here, before any test module loads.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 settings.register_profile(
     "dev",
     max_examples=60,

@@ -135,11 +135,11 @@ class LLMEngine:
             )
         if not tokens:
             raise ValueError(f"{where}: the prompt is empty")
-        if set(map(type, tokens)) == {int}:  # the common case, checked at C speed
-            if 0 <= min(tokens) and max(tokens) < self.vocab_size:
-                return tokens
+        # The common case, checked at C speed; otherwise find and name the offending token.
+        if set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < self.vocab_size:
+            return tokens
         ids: list[int] = []
-        for i, t in enumerate(tokens):  # find and name the offending token
+        for i, t in enumerate(tokens):
             if not isinstance(t, Integral) or isinstance(t, bool):
                 raise TypeError(f"{where}: token {i} is {t!r}, not an int")
             if not 0 <= int(t) < self.vocab_size:

@@ -22,6 +22,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from paged_engine.config import EngineConfig
@@ -196,7 +197,8 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         lay = self.layout
         # torch.empty: pages are committed as blocks are first used; backends never read a
-        # slot before it is written (the torch backend also zeroes padded rows it gathers).
+        # slot before it is written (the torch backend points padded positions it gathers
+        # at a written slot of the same sequence).
         cache = torch.empty(
             2,
             lay.num_layers,
@@ -262,7 +264,10 @@ class ModelRunner:
             query_start_loc=i32(q_cum),
             seq_start_loc=i32(s_cum),
             seq_lens=i32(seq_lens),
-            block_tables=i32(tables).view(len(seqs), width),
+            # numpy builds a nested list's array ~3x faster than torch.tensor (~0.1 ms/step)
+            block_tables=torch.from_numpy(np.array(tables, dtype=np.int32))
+            .view(len(seqs), width)
+            .to(dev, non_blocking=True),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=tuple(query_lens),

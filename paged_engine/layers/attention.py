@@ -134,24 +134,32 @@ def naive_attention(
     return out.transpose(0, 1).to(q.dtype)
 
 
-def _grouped_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """SDPA for one sequence with grouped-query heads, without repeating K/V.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+"""``scaled_dot_product_attention(..., enable_gqa=True)`` exists from torch 2.5."""
 
-    ``q`` ``[n, H, d]``, ``k``/``v`` ``[L, kvh, d]``, ``mask`` ``[n, L]`` (True = attend).
-    Query head ``h`` uses kv head ``h // group``, so the ``group`` heads of one kv head are
-    folded into the query-row axis: ``[kvh, group * n, d]`` against ``[kvh, L, d]``.
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA over 4-D ``q`` ``[B, H, n, d]`` and ``k``/``v`` ``[B, kvh, L, d]``.
+
+    Grouped-query heads share their kv head (query head ``h`` uses ``h // group``) without
+    copying K/V where torch supports it. 4-D inputs keep CPU on its flash kernel (3-D ones
+    fall back to the unfused math path).
     """
-    n, num_heads, d = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    qg = q.view(n, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, d)
-    mask_g = mask.unsqueeze(0).expand(group, n, mask.shape[1]).reshape(group * n, -1)
-    out = F.scaled_dot_product_attention(
-        qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask_g, scale=scale
-    )  # [kvh, group * n, d]
-    return out.view(num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, num_heads, d)
+    if k.shape[1] != q.shape[1]:
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            )
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
 def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
@@ -160,11 +168,28 @@ def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torc
     return torch.arange(context_len, device=device)[None, :] <= rows
 
 
+@dataclass(slots=True, frozen=True)
+class _DecodePlan:
+    """What every layer of one decode step reads, derived once per step."""
+
+    index: torch.Tensor
+    """``[num_seqs * L]`` int64: the cache slot of position ``j`` of sequence ``i`` at
+    ``i * L + j`` (``L = max_seq_len``). Positions at or past a sequence's length point at
+    its own first slot, which is always written: a padded position never reads a slot
+    nothing wrote (the pool is uninitialised memory, NaN included)."""
+    mask: torch.Tensor
+    """``[num_seqs, 1, 1, L]`` additive (0 where ``j < seq_len_i``, else -inf) in the query
+    dtype: made once per step, where a bool mask would be converted by every SDPA call."""
+
+
 class TorchAttentionBackend:
     """Paged attention in plain torch: gathers each context through its block table.
 
-    Correct on any device and fast enough on CPU; the decode step (one new token per
-    sequence) is a single batched SDPA call, prefill loops over sequences.
+    Correct on any device and the CPU path. A decode step (one new token per sequence) is
+    one batched SDPA call per layer over every context, gathered through the block tables
+    (slot indices and mask built once per step and shared by every layer). Prefill loops
+    over sequences; one whose context is all new attends over its own K/V rows without
+    touching the cache.
     """
 
     name = "torch"
@@ -174,6 +199,11 @@ class TorchAttentionBackend:
         # the cache tensors themselves.
         self.block_size = block_size
         self.dtype = dtype
+        # Per-step values derived from the step's metadata, shared by all layers. Keyed by
+        # identity: the metadata (frozen) and slot mapping are built once per step; holding
+        # them keeps their ids from being reused while the memo lives.
+        self._decode_memo: tuple[AttentionMetadata, int, torch.dtype, _DecodePlan] | None = None
+        self._store_memo: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def store_kv(
         self,
@@ -188,10 +218,22 @@ class TorchAttentionBackend:
             return
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        valid = (slot_mapping >= 0).nonzero().squeeze(1)
-        slots = slot_mapping.index_select(0, valid).long()
-        k_flat.index_copy_(0, slots, key.index_select(0, valid).to(k_flat.dtype))
-        v_flat.index_copy_(0, slots, value.index_select(0, valid).to(v_flat.dtype))
+        memo = self._store_memo
+        if memo is not None and memo[0] is slot_mapping:
+            valid = memo[1]
+        else:
+            # None: every row is stored (the usual case), so no row selection is needed.
+            valid = None if bool((slot_mapping >= 0).all()) else (slot_mapping >= 0).nonzero()
+            if valid is not None:
+                valid = valid.squeeze(1)
+            self._store_memo = (slot_mapping, valid)
+        if valid is None:
+            slots = slot_mapping.long()
+        else:
+            slots = slot_mapping.index_select(0, valid).long()
+            key, value = key.index_select(0, valid), value.index_select(0, valid)
+        k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
+        v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
 
     def attend(
         self,
@@ -208,21 +250,32 @@ class TorchAttentionBackend:
             if meta.has_cached_prefix:
                 raise ValueError("attention over a cached prefix needs a KV cache; it is empty")
             return self._attend_uncached(query, key, value, meta, scale)
-        if meta.max_query_len == 1:
-            return self._attend_decode(query, k_cache, v_cache, meta, scale)
+        if meta.max_query_len == 1:  # decode, or prefill chunks of one token each
+            return self._attend_gathered(query, k_cache, v_cache, meta, scale)
         out = torch.empty_like(query)
         block_size = k_cache.shape[1]
-        starts = [0, *itertools.accumulate(meta.query_lens_cpu)]  # host copy: no device sync
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        offsets = torch.arange(block_size, device=query.device)
+        start = 0
         for i, (q_len, ctx_len) in enumerate(
             zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
         ):
-            n_blocks = -(-ctx_len // block_size)
-            blocks = meta.block_tables[i, :n_blocks].long()
-            k = k_cache[blocks].flatten(0, 1)[:ctx_len]
-            v = v_cache[blocks].flatten(0, 1)[:ctx_len]
-            mask = _causal_mask(q_len, ctx_len, query.device)
-            s, e = starts[i], starts[i + 1]
-            out[s:e] = _grouped_sdpa(query[s:e], k.to(query.dtype), v.to(query.dtype), mask, scale)
+            end = start + q_len
+            q = query[start:end].transpose(0, 1)[None]  # [1, H, n, d]
+            if q_len == ctx_len:  # nothing cached: the context is this step's own rows
+                k, v = key[start:end], value[start:end]
+                mask, causal = None, True
+            else:
+                n_blocks = -(-ctx_len // block_size)
+                blocks = meta.block_tables[i, :n_blocks].long()
+                slots = (blocks[:, None] * block_size + offsets).flatten()[:ctx_len]
+                k = k_flat.index_select(0, slots).to(query.dtype)
+                v = v_flat.index_select(0, slots).to(query.dtype)
+                mask, causal = _causal_mask(q_len, ctx_len, query.device), False
+            o = _sdpa(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask, causal)
+            out[start:end] = o[0].transpose(0, 1)
+            start = end
         return out
 
     def _attend_uncached(
@@ -235,14 +288,38 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """No cache (warm-up): each sequence attends over its own new rows only."""
         out = torch.empty_like(query)
-        starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
-        for i, q_len in enumerate(meta.query_lens_cpu):
-            s, e = starts[i], starts[i + 1]
-            mask = _causal_mask(q_len, q_len, query.device)
-            out[s:e] = _grouped_sdpa(query[s:e], key[s:e], value[s:e], mask, scale)
+        start = 0
+        for q_len in meta.query_lens_cpu:
+            end = start + q_len
+            q = query[start:end].transpose(0, 1)[None]
+            k = key[start:end].transpose(0, 1)[None]
+            v = value[start:end].transpose(0, 1)[None]
+            out[start:end] = _sdpa(q, k, v, scale, causal=True)[0].transpose(0, 1)
+            start = end
         return out
 
-    def _attend_decode(
+    def _decode_plan(
+        self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype
+    ) -> _DecodePlan:
+        memo = self._decode_memo
+        if memo is not None and memo[0] is meta and memo[1:3] == (block_size, dtype):
+            return memo[3]
+        device = meta.block_tables.device
+        num_seqs, length = meta.num_seqs, meta.max_seq_len
+        tables = meta.block_tables[:, : -(-length // block_size)].long()
+        first = tables[:, :1]
+        tables = torch.where(tables < 0, first, tables)  # table padding: any real block
+        offsets = torch.arange(block_size, device=device)
+        slots = (tables[:, :, None] * block_size + offsets).view(num_seqs, -1)[:, :length]
+        valid = torch.arange(length, device=device) < meta.seq_lens[:, None]
+        plan = _DecodePlan(
+            index=torch.where(valid, slots, first * block_size).flatten(),
+            mask=_additive_mask(valid, dtype),
+        )
+        self._decode_memo = (meta, block_size, dtype, plan)
+        return plan
+
+    def _attend_gathered(
         self,
         query: torch.Tensor,
         k_cache: torch.Tensor,
@@ -252,26 +329,29 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """One new token per sequence: gather every context at once, one SDPA call.
 
-        Padding (-1) entries of the block tables are clamped to block 0, and every position
-        at or past a sequence's length is masked out *and zeroed*: unused slots may hold
-        anything (stale rows, NaN from an uninitialised pool), and a masked NaN still
-        poisons SDPA's sums (``0 * nan``).
+        Each context is read up to the batch's longest; the positions past a sequence's
+        length read its own first slot (see ``_DecodePlan``) and are masked out. The
+        ``group`` query heads of one kv head ride SDPA's query-row axis, so K/V are never
+        repeated per head.
         """
         num_seqs, num_heads, d = query.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
-        n_blocks = -(-meta.max_seq_len // block_size)
-        blocks = meta.block_tables[:, :n_blocks].clamp(min=0).long()
-        k = k_cache[blocks].flatten(1, 2)  # [B, L, kvh, d]
-        v = v_cache[blocks].flatten(1, 2)
-        positions = torch.arange(k.shape[1], device=query.device)
-        mask = positions[None, :] < meta.seq_lens.to(query.device).long()[:, None]  # [B, L]
-        zero = torch.zeros((), dtype=query.dtype, device=query.device)
-        k = torch.where(mask[:, :, None, None], k.to(query.dtype), zero).transpose(1, 2)
-        v = torch.where(mask[:, :, None, None], v.to(query.dtype), zero).transpose(1, 2)
+        plan = self._decode_plan(meta, block_size, query.dtype)
+        row = num_kv_heads * d
+        shape = (num_seqs, meta.max_seq_len, num_kv_heads, d)
+        k = k_cache.view(-1, row).index_select(0, plan.index).view(shape).transpose(1, 2)
+        v = v_cache.view(-1, row).index_select(0, plan.index).view(shape).transpose(1, 2)
         q = query.view(num_seqs, num_kv_heads, group, d)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        k, v = k.to(query.dtype), v.to(query.dtype)  # [B, kvh, L, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
         return out.reshape(num_seqs, num_heads, d)
+
+
+def _additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, L]`` bool (True = attend) -> ``[B, 1, 1, L]`` 0 / -inf in ``dtype``."""
+    mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+    return mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
 
 # --------------------------------------------------------------------------------------------

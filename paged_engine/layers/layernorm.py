@@ -5,7 +5,29 @@ from __future__ import annotations
 from typing import overload
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, in transformers' op order.
+
+    ``weight`` broadcasts against ``x``: ``[hidden]`` for one norm, or e.g. ``[heads, d]``
+    to run several per-head norms (Qwen3's q and k norms) as one call.
+
+    In float32 the casts are no-ops and torch's ``rms_norm`` runs the same ops in one call
+    (``x * rsqrt(mean(x^2) + eps)``, then the weight; products commute bit for bit), so it
+    is used there; half dtypes keep transformers' cast-before-weight order, which it lacks.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if weight.shape == x.shape[-1:]:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * F.rms_norm(x, x.shape[-1:], None, eps)
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -22,11 +44,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...

@@ -56,11 +56,6 @@ def rope_spec_from_config(config: Any) -> RopeSpec:
     return RopeSpec(theta=float(theta), rope_type=rope_type, factor=factor)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (the "rotate half" layout of Llama/Qwen) to packed q and k.
 
@@ -81,6 +76,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / spec.factor
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round it.
         self.inv_freq = inv_freq
+        self._memo: tuple[torch.Tensor, int, torch.dtype, tuple[torch.Tensor, ...]] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``[N, head_dim]`` cos and sin for each position, in ``dtype``."""
@@ -88,10 +84,39 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _factors(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``[N, 1, d]`` cos and "signed" sin (first half negated), made once per step.
+
+        Every layer of a step rotates by the same positions tensor; one instance shared by
+        the layers computes the factors once. The memo is keyed by the tensor's identity
+        and its version counter (an in-place change invalidates it; inference-mode tensors
+        have none, and the engine never writes its positions in place), and holds the
+        tensor, so its identity cannot be reused while the memo lives.
+        """
+        version = -1 if positions.is_inference() else positions._version
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == version and memo[2] == dtype:
+            return memo[3]
+        cos, sin = self.cos_sin(positions, dtype)
+        half = self.head_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        factors = (cos[:, None, :], signed_sin[:, None, :])
+        self._memo = (positions, version, dtype, factors)
+        return factors
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[N, heads, d]`` (any heads: q, k, or both side by side).
+
+        ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``, computed as
+        ``[x2, x1] * [-sin, sin]``: the same products (IEEE negation is exact), one op fewer.
+        """
+        cos, signed_sin = self._factors(positions, x.dtype)
+        half = self.head_dim // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + swapped * signed_sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` ``[N, H, d]`` and ``k`` ``[N, kvh, d]`` by their tokens' positions."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)

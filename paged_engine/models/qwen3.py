@@ -18,7 +18,7 @@ from torch import nn
 from paged_engine.layers.activation import SiluAndMul
 from paged_engine.layers.attention import Attention, AttentionBackend
 from paged_engine.layers.embed_head import LMHead, VocabEmbedding
-from paged_engine.layers.layernorm import RMSNorm
+from paged_engine.layers.layernorm import RMSNorm, rms_norm
 from paged_engine.layers.linear import Linear, MergedLinear, QKVLinear
 from paged_engine.layers.rotary import RotaryEmbedding, rope_spec_from_config
 
@@ -61,7 +61,9 @@ def _head_dim(config: Any) -> int:
 class Qwen3Attention(nn.Module):
     """qkv projection → per-head q/k RMSNorm → rotary → paged attention → o projection."""
 
-    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: Any, backend: AttentionBackend, rotary: RotaryEmbedding | None = None
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -73,19 +75,23 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, rope_spec_from_config(config))
+        # The model passes one instance to all its layers: it makes a step's cos/sin once.
+        self.rotary_emb = rotary or RotaryEmbedding(self.head_dim, rope_spec_from_config(config))
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        n = hidden.shape[0]
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
+        """q and k are normed and rotated side by side, ``[N, H + kvh, d]``, in one pass:
+        each head's norm and rotation are per row, so this is op for op the separate
+        ``q_norm``/``k_norm`` and rotations, with half the kernel launches."""
+        n, h, kvh, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)
+        qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
+        weight = torch.cat((self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(kvh, d)))
+        qk = self.rotary_emb.rotate(positions, rms_norm(qk, weight, self.q_norm.eps))
+        v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
+        out = self.attn(qk[:, :h], qk[:, h:], v)
         result: torch.Tensor = self.o_proj(out)
         return result
 
@@ -108,9 +114,11 @@ class Qwen3MLP(nn.Module):
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual stream rides the fused norms."""
 
-    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: Any, backend: AttentionBackend, rotary: RotaryEmbedding | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, backend)
+        self.self_attn = Qwen3Attention(config, backend, rotary)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -135,8 +143,9 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(_head_dim(config), rope_spec_from_config(config))
         self.layers = nn.ModuleList(
-            [Qwen3DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)]
+            [Qwen3DecoderLayer(config, backend, rotary) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
