@@ -41,7 +41,9 @@ def build_engine(
     bm: Any = (
         SpecBlockManager(pool, config.kvcache_block_size)
         if spec
-        else BlockManager(pool, config.kvcache_block_size)
+        else BlockManager(
+            pool, config.kvcache_block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
     )
     runner = FakeModelRunner(pool, config.kvcache_block_size, VOCAB)
     engine = LLMEngine(runner, config, vocab_size=VOCAB, eos_token_id=eos, block_manager=bm)
@@ -52,6 +54,7 @@ def build_engine(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
         eos_token_id=eos,
+        prefix_aware=config.enable_prefix_caching,
     )
     return engine
 

@@ -197,3 +197,32 @@ def test_generate_needs_an_idle_engine() -> None:
     engine.add_request([1, 2], GREEDY)
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.generate([[1]], GREEDY, use_tqdm=False)
+
+
+def test_a_request_whose_prefix_is_being_computed_waits_a_step_and_hits_it() -> None:
+    """Prefix-aware admission: the second and third prompts share two full blocks with the
+    first; admitted in the same step they would compute them again. Deferred one step,
+    they hit them, and the results are unchanged."""
+    engine = make_engine()
+    prompts = [
+        [1, 2, 3, 4, 0, 1, 2, 3, 4],
+        [1, 2, 3, 4, 0, 1, 2, 3, 1],
+        [2, 2, 2],
+        [1, 2, 3, 4, 0, 1, 2, 3],
+    ]
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    # prompt 3 has only two blocks: its second is its last, never looked up, so it hits one
+    assert [o.num_cached_tokens for o in outs] == [0, 8, 0, 4]
+    assert [list(o.token_ids) for o in outs] == [expected(p, GREEDY, engine) for p in prompts]
+    batches = engine.model_runner.batches  # type: ignore[attr-defined]
+    first_step = [seq_id for seq_id, _ in batches[0][1]]
+    assert first_step == [outs[0].request_id, outs[2].request_id]  # 1 and 3 deferred
+
+
+def test_without_prefix_caching_nothing_is_deferred() -> None:
+    engine = make_engine(enable_prefix_caching=False)
+    prompts = [[1, 2, 3, 4, 0, 1, 2, 3, 4], [1, 2, 3, 4, 0, 1, 2, 3, 1]]
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    batches = engine.model_runner.batches  # type: ignore[attr-defined]
+    assert len(batches[0][1]) == 2

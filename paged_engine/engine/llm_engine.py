@@ -116,6 +116,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             eos_token_id=eos_token_id,
+            prefix_aware=config.enable_prefix_caching,
         )
         self._requests: dict[int, Sequence] = {}
         self.last_run_stats: RunStats | None = None

@@ -13,6 +13,13 @@ nano-vllm's policy (seed §3.5) is the baseline, with one structural change:
   free, the most recently admitted running sequence is preempted by recompute: its blocks
   are released, ``is_prefill`` is set again, and it goes to the front of waiting.
 
+Prefix-aware admission (also not in nano-vllm): requests admitted in the same step cannot
+hit each other's blocks, which are registered only after the step. So a request whose next
+uncached block is completed in this step by an earlier request (same position, same
+tokens) is deferred to the next step, where it is a prefix hit, and later requests are
+admitted in its place; it keeps its place at the front of the queue. A whole batch sharing
+a system prompt computes it once instead of once per request.
+
 Policy difference from nano-vllm: a partly prefilled sequence sits in **running** (it owns
 blocks), not at the head of waiting. It can therefore be preempted like any other owner
 of blocks, so a chunked prompt can never hold blocks that a decoding sequence needs while
@@ -76,8 +83,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_id: int | None = None,
+        prefix_aware: bool = True,
     ) -> None:
+        """``prefix_aware``: defer a request whose next block an earlier request computes in
+        the same step (see the module docstring); pass False without prefix caching."""
         self.block_manager = block_manager
+        self.prefix_aware = prefix_aware
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -116,19 +127,25 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
+        filling: set[tuple[int, tuple[int, ...]]] = set()  # blocks this step completes
         for seq in self.running:  # continue chunked prefills first
             if len(scheduled) == self.max_num_seqs or budget == 0:
                 return scheduled
             if seq.is_prefill:
-                seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
-                budget -= seq.num_scheduled_tokens
+                budget -= self._schedule_chunk(seq, budget, filling)
                 scheduled.append(seq)
         bm = self.block_manager
+        deferred: list[Sequence] = []
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             hits = bm.can_allocate(seq)
             if hits is None:
                 break
+            if filling and hits < seq.num_blocks - 1 and (hits, seq.block(hits)) in filling:
+                # Its next block is being computed in this step by an earlier request:
+                # next step it is a prefix hit instead of a second computation.
+                deferred.append(self.waiting.popleft())
+                continue
             bm.allocate(seq, hits)
             self.waiting.popleft()
             if seq.num_prefix_hit_tokens is None:  # first admission
@@ -137,11 +154,25 @@ class Scheduler:
                 self.stats.prompt_tokens += seq.num_prompt_tokens
             seq.status = SequenceStatus.RUNNING
             seq.is_prefill = True
-            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
-            budget -= seq.num_scheduled_tokens
+            budget -= self._schedule_chunk(seq, budget, filling)
             self.running.append(seq)
             scheduled.append(seq)
+        self.waiting.extendleft(reversed(deferred))  # back in front, in arrival order
         return scheduled
+
+    def _schedule_chunk(
+        self, seq: Sequence, budget: int, filling: set[tuple[int, tuple[int, ...]]]
+    ) -> int:
+        """Schedule the next chunk of ``seq``'s prompt within ``budget``; note the blocks
+        it completes (by position and tokens) when prefix caching can reuse them."""
+        n = min(seq.num_tokens - seq.num_cached_tokens, budget)
+        seq.num_scheduled_tokens = n
+        if self.prefix_aware:
+            bs = seq.block_size
+            first = seq.num_cached_tokens // bs
+            for j in range(first, (seq.num_cached_tokens + n) // bs):
+                filling.add((j, seq.block(j)))
+        return n
 
     def _schedule_decode(self) -> list[Sequence]:
         bm = self.block_manager
