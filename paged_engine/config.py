@@ -38,6 +38,10 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    num_threads: int | None = None
+    """torch's intra-op CPU threads (process-wide: ``torch.set_num_threads``); None leaves
+    torch's own setting. Small models run fastest on one thread, and on a machine shared
+    with other work OpenMP's spin-waiting can make several threads many times slower."""
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -67,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
 
     def max_blocks_per_seq(self) -> int:
         """Blocks one ``max_model_len`` sequence needs."""

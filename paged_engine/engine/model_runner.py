@@ -108,6 +108,8 @@ class ModelRunner:
         from transformers import AutoConfig
 
         self.device = resolve_device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         path = Path(model_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"model directory {path} does not exist")
