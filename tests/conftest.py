@@ -16,6 +16,12 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+# The test models are tiny: one torch thread is fastest, and immune to OpenMP spin-waiting
+# when the machine's cores are busy with other work (several times slower otherwise).
+import torch
+
+torch.set_num_threads(1)
+
 settings.register_profile(
     "dev",
     max_examples=60,

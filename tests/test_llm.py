@@ -46,6 +46,7 @@ def no_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"dtype": "int8"}, ValueError, "dtype"),
         ({"max_num_seqs": 0}, ValueError, "max_num_seqs"),
         ({"block_sise": 16}, TypeError, "block_sise"),
+        ({"num_threads": 0}, ValueError, "num_threads"),
     ],
 )
 def test_bad_configuration_is_refused_before_allocation(
