@@ -46,17 +46,14 @@ def build_engine(
         )
     )
     runner = FakeModelRunner(pool, config.kvcache_block_size, VOCAB)
-    engine = LLMEngine(runner, config, vocab_size=VOCAB, eos_token_id=eos, block_manager=bm)
-    engine.scheduler = scheduler_cls(
-        bm,
-        num_blocks=pool,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len,
+    return LLMEngine(
+        runner,
+        config,
+        vocab_size=VOCAB,
         eos_token_id=eos,
-        prefix_aware=config.enable_prefix_caching,
+        block_manager=bm,
+        scheduler_cls=scheduler_cls,
     )
-    return engine
 
 
 def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedStateMachine]:

@@ -92,9 +92,11 @@ class LLMEngine:
         eos_token_id: int | None = None,
         tokenizer: Tokenizer | None = None,
         block_manager: Allocator | None = None,
+        scheduler_cls: type[Scheduler] = Scheduler,
     ) -> None:
         """``num_kvcache_blocks`` is the pool the runner allocated (default: the config's);
-        ``block_manager`` replaces the engine's allocator (tests run the spec in the loop)."""
+        ``block_manager`` replaces the engine's allocator (tests run the spec in the loop),
+        ``scheduler_cls`` the scheduler (tests run deliberately broken ones)."""
         pool = num_kvcache_blocks or config.num_kvcache_blocks
         if pool is None:
             raise ValueError("the KV pool size is unknown: set config.num_kvcache_blocks")
@@ -109,7 +111,7 @@ class LLMEngine:
         self.block_manager = block_manager or BlockManager(
             pool, config.kvcache_block_size, enable_prefix_caching=config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler_cls(
             self.block_manager,
             num_blocks=pool,
             max_num_seqs=config.max_num_seqs,
