@@ -10,49 +10,48 @@ GQA ratios above 1 with several KV heads.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from paged_engine.kernels.paged_decode_attention import _paged_decode_attention
 from paged_engine.kernels.paged_prefill_attention import _paged_prefill_attention
 
+_LAUNCHERS = {"decode": _paged_decode_attention, "prefill": _paged_prefill_attention}
+
 
 @dataclass(frozen=True)
 class KernelMutant:
-    """A broken launcher and which kernel (``"decode"`` or ``"prefill"``) it stands in for."""
+    """Which kernel (``"decode"`` or ``"prefill"``) a mutant stands in for, and its flag."""
 
     name: str
     kind: str
-    launch: Callable[..., torch.Tensor]
+    flag: str
     bug: str
+
+    def launch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The real launcher of ``kind``, same arguments, with ``flag`` switched on."""
+        return _LAUNCHERS[self.kind](*args, **kwargs, kernel_flags={self.flag: True})
 
 
 MUTANTS: tuple[KernelMutant, ...] = (
     KernelMutant(
         name="decode_block_walk_off_by_one",
         kind="decode",
-        launch=functools.partial(
-            _paged_decode_attention, kernel_flags={"MUTANT_BLOCK_WALK_FLOOR": True}
-        ),
+        flag="MUTANT_BLOCK_WALK_FLOOR",
         bug="walks seq_len // block_size blocks instead of cdiv: drops a partial last block",
     ),
     KernelMutant(
         name="prefill_missing_causal_mask",
         kind="prefill",
-        launch=functools.partial(
-            _paged_prefill_attention, kernel_flags={"MUTANT_NO_CAUSAL_MASK": True}
-        ),
+        flag="MUTANT_NO_CAUSAL_MASK",
         bug="new tokens attend to the whole context, including later new tokens",
     ),
     KernelMutant(
         name="decode_gqa_wrong_kv_head",
         kind="decode",
-        launch=functools.partial(
-            _paged_decode_attention, kernel_flags={"MUTANT_GQA_INTERLEAVED": True}
-        ),
+        flag="MUTANT_GQA_INTERLEAVED",
         bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
 )

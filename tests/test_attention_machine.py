@@ -35,7 +35,6 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from paged_engine.kernels.paged_decode_attention import is_interpreted
-from paged_engine.kernels.paged_prefill_attention import _paged_prefill_attention
 from paged_engine.layers.attention import AttentionBackend, TorchAttentionBackend
 from paged_engine.layers.attention_triton import TritonAttentionBackend
 from tests.attention_machine import BackendFactory, Geometry, Lane, MachineConfig, make_machine
@@ -129,26 +128,11 @@ class MutantTritonBackend(TritonAttentionBackend):
 
     def __init__(self, mutant: KernelMutant, block_size: int, dtype: torch.dtype) -> None:
         super().__init__(block_size, dtype)
-        self.mutant = mutant
         self.name = f"triton[{mutant.name}]"
-
-    def attend(self, query, key, value, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
-        if k_cache.numel() and self.mutant.kind == ("prefill" if meta.is_prefill else "decode"):
-            if meta.is_prefill:
-                return self.mutant.launch(
-                    query,
-                    k_cache,
-                    v_cache,
-                    meta.block_tables,
-                    meta.query_start_loc,
-                    meta.seq_lens,
-                    meta.max_query_len,
-                    scale,
-                )
-            return self.mutant.launch(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
-            )
-        return super().attend(query, key, value, k_cache, v_cache, meta, scale)
+        if mutant.kind == "decode":
+            self._decode = mutant.launch
+        else:
+            self._prefill = mutant.launch
 
 
 # tests/kernel_mutants.py plants the block-walk and GQA bugs in the decode kernel; the prefill
@@ -158,17 +142,13 @@ ALL_MUTANTS = (
     KernelMutant(
         name="prefill_block_walk_off_by_one",
         kind="prefill",
-        launch=functools.partial(
-            _paged_prefill_attention, kernel_flags={"MUTANT_BLOCK_WALK_FLOOR": True}
-        ),
+        flag="MUTANT_BLOCK_WALK_FLOOR",
         bug="reads seq_len // block_size whole blocks: drops a partial last block",
     ),
     KernelMutant(
         name="prefill_gqa_wrong_kv_head",
         kind="prefill",
-        launch=functools.partial(
-            _paged_prefill_attention, kernel_flags={"MUTANT_GQA_INTERLEAVED": True}
-        ),
+        flag="MUTANT_GQA_INTERLEAVED",
         bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
 )

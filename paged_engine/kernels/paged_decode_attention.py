@@ -38,10 +38,9 @@ import triton
 import triton.language as tl
 
 from paged_engine.kernels.store_kv import (
-    check_dtype,
     check_int_vector,
-    check_kv_caches,
-    check_runnable,
+    check_launchable,
+    check_query_and_tables,
     kernel_is_interpreted,
 )
 
@@ -277,44 +276,11 @@ def _check_decode_args(
     out: torch.Tensor | None,
 ) -> tuple[int, int, int, int, int]:
     what = "paged_decode_attention"
-    _, block_size, num_kv_heads, head_dim = check_kv_caches(what, k_cache, v_cache)
-    if query.dim() != 3:
-        raise ValueError(f"{what}: query must be [B, H, D], got shape {tuple(query.shape)}")
-    batch, num_heads, q_dim = query.shape
-    if q_dim != head_dim:
-        raise ValueError(f"{what}: query head_dim {q_dim} != cache head_dim {head_dim}")
-    if not 16 <= head_dim <= 256:
-        raise ValueError(f"{what}: head_dim must be in [16, 256], got {head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"{what}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-        )
-    if query.stride(2) != 1:
-        raise ValueError(f"{what}: query needs unit stride on its last dim, got {query.stride()}")
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"{what}: query dtype {query.dtype} != cache dtype {k_cache.dtype}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"{what}: block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}"
-        )
-    if block_tables.dtype != torch.int32:
-        raise ValueError(f"{what}: block_tables must be int32, got {block_tables.dtype}")
-    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
-        raise ValueError(
-            f"{what}: block_tables rows must be contiguous, got {block_tables.stride()}"
-        )
+    batch, num_heads, num_kv_heads, head_dim, block_size = check_query_and_tables(
+        what, query, k_cache, v_cache, block_tables, one_query_per_sequence=True
+    )
     check_int_vector(what, "seq_lens", seq_lens, batch, torch.int32)
-    if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype:
-            raise ValueError(
-                f"{what}: out must be {tuple(query.shape)} {query.dtype}, "
-                f"got {tuple(out.shape)} {out.dtype}"
-            )
-        if out.stride(2) != 1:
-            raise ValueError(f"{what}: out needs unit stride on its last dim, got {out.stride()}")
-    check_dtype(_decode_kernel, what, query.dtype)
-    tensors = [query, k_cache, v_cache, block_tables, seq_lens]
-    check_runnable(_decode_kernel, what, *tensors, *([out] if out is not None else []))
+    check_launchable(_decode_kernel, what, query, out, k_cache, v_cache, block_tables, seq_lens)
     return batch, num_heads, num_kv_heads, head_dim, block_size
 
 

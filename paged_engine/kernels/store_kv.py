@@ -6,8 +6,8 @@ sit in their slots. ``slot_mapping[i]`` is the flat slot (``block_id * block_siz
 of token ``i``; -1 marks a token whose K/V must not be written (a padded row, or a token whose
 block is shared and already filled by a prefix-cache hit).
 
-The module also holds the cache-layout and device checks that the attention launchers share,
-because the cache layout is defined by what this kernel writes.
+The module also holds the cache-layout, argument and device checks that the attention
+launchers share, because the cache layout is defined by what this kernel writes.
 """
 
 # Triton kernels cannot carry Python annotations on their parameters (Triton reads
@@ -100,6 +100,74 @@ def check_int_vector(
         raise ValueError(f"{what}: {name} must be {dtype}, got {t.dtype}")
     if length > 1 and t.stride(0) != 1:
         raise ValueError(f"{what}: {name} must be contiguous, got stride {t.stride(0)}")
+
+
+def check_query_and_tables(
+    what: str,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    one_query_per_sequence: bool,
+) -> tuple[int, int, int, int, int]:
+    """Validate an attention launcher's query, caches and block table against each other.
+
+    Returns ``(batch, num_heads, num_kv_heads, head_dim, block_size)``. With
+    ``one_query_per_sequence`` (decode) the query is ``[B, H, D]`` and the table needs one row
+    per query row; otherwise (prefill) the query packs ``N`` tokens and the table's rows are
+    the batch.
+    """
+    _, block_size, num_kv_heads, head_dim = check_kv_caches(what, k_cache, v_cache)
+    if query.dim() != 3:
+        rows = "B" if one_query_per_sequence else "N"
+        raise ValueError(f"{what}: query must be [{rows}, H, D], got shape {tuple(query.shape)}")
+    num_rows, num_heads, q_dim = query.shape
+    if q_dim != head_dim:
+        raise ValueError(f"{what}: query head_dim {q_dim} != cache head_dim {head_dim}")
+    if not 16 <= head_dim <= 256:
+        raise ValueError(f"{what}: head_dim must be in [16, 256], got {head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{what}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if query.stride(2) != 1:
+        raise ValueError(f"{what}: query needs unit stride on its last dim, got {query.stride()}")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"{what}: query dtype {query.dtype} != cache dtype {k_cache.dtype}")
+    if block_tables.dim() != 2 or (one_query_per_sequence and block_tables.shape[0] != num_rows):
+        batch = num_rows if one_query_per_sequence else "B"
+        raise ValueError(
+            f"{what}: block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    if block_tables.dtype != torch.int32:
+        raise ValueError(f"{what}: block_tables must be int32, got {block_tables.dtype}")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(
+            f"{what}: block_tables rows must be contiguous, got {block_tables.stride()}"
+        )
+    return block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size
+
+
+def check_launchable(
+    kernel: object,
+    what: str,
+    query: torch.Tensor,
+    out: torch.Tensor | None,
+    *tensors: torch.Tensor,
+) -> None:
+    """An attention launcher's last checks: ``out`` (if given) must be shaped and typed like
+    ``query``, and ``kernel`` must handle the dtype and run where all the tensors are."""
+    if out is not None:
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError(
+                f"{what}: out must be {tuple(query.shape)} {query.dtype}, "
+                f"got {tuple(out.shape)} {out.dtype}"
+            )
+        if out.stride(2) != 1:
+            raise ValueError(f"{what}: out needs unit stride on its last dim, got {out.stride()}")
+    check_dtype(kernel, what, query.dtype)
+    check_runnable(kernel, what, query, *tensors, *([out] if out is not None else []))
 
 
 def store_kv_ref(

@@ -22,12 +22,13 @@ from collections.abc import Callable
 import torch
 
 from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.layers.attention_kernel import KernelAttentionBackend, cache_is_empty
 
 FLASH_BLOCK_MULTIPLE = 256
 """flash-attn's paged KV cache needs ``page_block_size % 256 == 0``."""
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(KernelAttentionBackend):
     """Attention over the paged KV cache with flash-attn (>= 2.6, for ``block_table``)."""
 
     name = "flash-attn"
@@ -49,28 +50,10 @@ class FlashAttnBackend:
                 f"FlashAttnBackend: flash-attn is not importable ({exc}); "
                 "install it with `pip install flash-attn>=2.6`"
             ) from exc
-        # The store kernel is ours (flash-attn has no standalone scatter); imported here so
-        # that merely importing this module never pulls in Triton.
-        from paged_engine.kernels.store_kv import store_kv
-
         self._varlen: Callable[..., torch.Tensor] = flash_attn_varlen_func
         self._with_kvcache: Callable[..., torch.Tensor] = flash_attn_with_kvcache
-        self._store_kv = store_kv
-        self.block_size = block_size
-        self.dtype = dtype
-
-    def store_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Scatter the rows whose slot is not -1 into the cache; no-op on an empty cache."""
-        if k_cache.numel() == 0:
-            return
-        self._store_kv(key, value, k_cache, v_cache, slot_mapping)
+        # The base class brings the store: our Triton kernel (flash-attn has no scatter).
+        super().__init__(block_size, dtype)
 
     def attend(
         self,
@@ -83,21 +66,7 @@ class FlashAttnBackend:
         scale: float,
     ) -> torch.Tensor:
         """Causal attention of the step's queries over each sequence's whole context."""
-        if k_cache.numel() == 0:
-            if meta.has_cached_prefix:
-                raise ValueError("attention over a cached prefix needs a KV cache; it is empty")
-            return self._varlen(
-                query,
-                key,
-                value,
-                cu_seqlens_q=meta.query_start_loc,
-                cu_seqlens_k=meta.query_start_loc,
-                max_seqlen_q=meta.max_query_len,
-                max_seqlen_k=meta.max_query_len,
-                softmax_scale=scale,
-                causal=True,
-            )
-        if not meta.is_prefill:
+        if not cache_is_empty(k_cache, meta) and not meta.is_prefill:
             out = self._with_kvcache(
                 query.unsqueeze(1),
                 k_cache,
@@ -108,27 +77,19 @@ class FlashAttnBackend:
                 causal=True,
             )
             return out.squeeze(1)
-        if meta.has_cached_prefix:
-            return self._varlen(
-                query,
-                k_cache,
-                v_cache,
-                cu_seqlens_q=meta.query_start_loc,
-                cu_seqlens_k=meta.seq_start_loc,
-                max_seqlen_q=meta.max_query_len,
-                max_seqlen_k=meta.max_seq_len,
-                softmax_scale=scale,
-                causal=True,
-                block_table=meta.block_tables,
-            )
+        # A cached prefix is read from the cache through the block table; otherwise (an empty
+        # cache included) each context is the sequence's own new rows, so the context lengths
+        # are the query lengths.
+        paged = meta.has_cached_prefix
         return self._varlen(
             query,
-            key,
-            value,
+            k_cache if paged else key,
+            v_cache if paged else value,
             cu_seqlens_q=meta.query_start_loc,
             cu_seqlens_k=meta.seq_start_loc,
             max_seqlen_q=meta.max_query_len,
             max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale,
             causal=True,
+            block_table=meta.block_tables if paged else None,
         )

@@ -1,10 +1,11 @@
 """The Triton attention backend: our own kernels for the paged KV cache.
 
-``store_kv`` scatters the step's K/V rows with the store kernel; ``attend`` sends a decode
-step (one new token per sequence) to the split-K decode kernel and anything else to the
-prefill kernel, which reads the whole context (cached prefix + new tokens) through the block
-table. Both kernels run compiled on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (slowly; for
-tests), which is why the constructor checks that one of the two is really available.
+``store_kv`` (shared with flash-attn, in ``attention_kernel``) scatters the step's K/V rows
+with the store kernel; ``attend`` sends a decode step (one new token per sequence) to the
+split-K decode kernel and anything else to the prefill kernel, which reads the whole context
+(cached prefix + new tokens) through the block table. Both kernels run compiled on CUDA, or
+on CPU under ``TRITON_INTERPRET=1`` (slowly; for tests), which is why the constructor checks
+that one of the two is really available.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch.nn.functional as F
 
 from paged_engine.kernels.paged_decode_attention import is_interpreted, paged_decode_attention
 from paged_engine.kernels.paged_prefill_attention import paged_prefill_attention
-from paged_engine.kernels.store_kv import INTERPRETER_DTYPES, SUPPORTED_DTYPES, store_kv
+from paged_engine.kernels.store_kv import INTERPRETER_DTYPES, SUPPORTED_DTYPES
 from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.layers.attention_kernel import KernelAttentionBackend, cache_is_empty
 
 
 def triton_backend_problem(block_size: int, dtype: torch.dtype) -> str | None:
@@ -66,7 +68,7 @@ def causal_attention_uncached(
     return out
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(KernelAttentionBackend):
     """Attention over the paged KV cache with this package's Triton kernels."""
 
     name = "triton"
@@ -75,21 +77,10 @@ class TritonAttentionBackend:
         problem = triton_backend_problem(block_size, dtype)
         if problem is not None:
             raise ValueError(f"TritonAttentionBackend: {problem}")
-        self.block_size = block_size
-        self.dtype = dtype
-
-    def store_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Scatter the rows whose slot is not -1 into the cache; no-op on an empty cache."""
-        if k_cache.numel() == 0:
-            return
-        store_kv(key, value, k_cache, v_cache, slot_mapping)
+        super().__init__(block_size, dtype)
+        # Attributes, so that tests can swap in a mutant launcher (tests/kernel_mutants.py).
+        self._decode = paged_decode_attention
+        self._prefill = paged_prefill_attention
 
     def attend(
         self,
@@ -107,15 +98,11 @@ class TritonAttentionBackend:
         ``meta.max_seq_len``: the table is what CUDA-graph capture fixes, so a graph captured
         on short contexts still covers the long ones it replays.
         """
-        if k_cache.numel() == 0:
-            if meta.has_cached_prefix:
-                raise ValueError("attention over a cached prefix needs a KV cache; it is empty")
+        if cache_is_empty(k_cache, meta):
             return causal_attention_uncached(query, key, value, meta.query_lens_cpu, scale)
         if not meta.is_prefill:
-            return paged_decode_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
-            )
-        return paged_prefill_attention(
+            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return self._prefill(
             query,
             k_cache,
             v_cache,
