@@ -4,8 +4,8 @@ KV cache, samples.
 This is the one module under ``engine/`` that imports torch (the layout in DESIGN.md puts
 it here because it owns the KV cache the allocator hands out); nothing torch-free imports
 it. Everything else it needs from the engine is index arithmetic: the slots of a token
-range through a block table come from ``engine.indexing.slot_mapping``, the helper that
-CrossHair checks against its spec twin.
+range through a block table come from ``engine.indexing.slot_mapping`` (through
+``make_attention_metadata``), the helper that CrossHair checks against its spec twin.
 
 One KV tensor ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` holds
 the whole pool; each attention layer gets its ``[num_blocks, block_size, kv_heads,
@@ -22,16 +22,15 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from paged_engine.config import EngineConfig
-from paged_engine.engine.indexing import slot_mapping
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
     get_attention_backend,
+    make_attention_metadata,
 )
 from paged_engine.layers.context import forward_context
 from paged_engine.layers.sampler import Sampler
@@ -141,6 +140,7 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=self.dtype,
         )
+        self.kv_cache = torch.empty(0)  # the CUDA warm-up pass runs before the pool exists
         self.num_kvcache_blocks = self._pool_size()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
         logger.info(
@@ -224,10 +224,8 @@ class ModelRunner:
     def prepare(self, seqs: SequenceABC[Sequence], is_prefill: bool) -> Batch:
         """Inputs for the tokens ``[num_cached, num_cached + num_scheduled)`` of each
         sequence; only the uncached ones are computed."""
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
@@ -240,40 +238,15 @@ class ModelRunner:
             else:
                 input_ids.append(seq.last_token)  # a pickled decoding sequence has no token_ids
             positions.extend(range(start, end))
-            if seq.block_table and self.kv_cache.numel():
-                slots.extend(slot_mapping(seq.block_table, bs, start, end))
-            else:
-                slots.extend([-1] * (end - start))
             query_lens.append(end - start)
             seq_lens.append(end)
             if end == seq.num_tokens:  # the prompt is complete, or a decode step
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(i)
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
-        q_cum, s_cum = [0], [0]
-        for q, s in zip(query_lens, seq_lens, strict=True):
-            q_cum.append(q_cum[-1] + q)
-            s_cum.append(s_cum[-1] + s)
+        tables = [s.block_table for s in seqs] if self.kv_cache.numel() else []
         dev = self.device
-
-        def i32(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
-
-        meta = AttentionMetadata(
-            is_prefill=is_prefill,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=i32(q_cum),
-            seq_start_loc=i32(s_cum),
-            seq_lens=i32(seq_lens),
-            # numpy builds a nested list's array ~3x faster than torch.tensor (~0.1 ms/step)
-            block_tables=torch.from_numpy(np.array(tables, dtype=np.int32))
-            .view(len(seqs), width)
-            .to(dev, non_blocking=True),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=tuple(query_lens),
-            seq_lens_cpu=tuple(seq_lens),
+        meta = make_attention_metadata(
+            query_lens, seq_lens, tables, self.block_size, dev, is_prefill=is_prefill
         )
         return Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
@@ -315,18 +288,3 @@ class ModelRunner:
             return self.rng
         g = torch.Generator(device=self.device)
         return g.manual_seed((params.seed * 1_000_003 + seq.num_tokens) % 2**63)
-
-
-def model_config_summary(runner: ModelRunner) -> dict[str, object]:
-    """What the CLI prints about the loaded model and pool."""
-    return {
-        "layers": runner.layout.num_layers,
-        "kv_heads": runner.layout.num_kv_heads,
-        "head_dim": runner.layout.head_dim,
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "device": str(runner.device),
-        "attention_backend": runner.backend.name,
-        "kv_blocks": runner.num_kvcache_blocks,
-        "block_size": runner.block_size,
-        "kv_bytes_per_token": runner.layout.bytes_per_token,
-    }

@@ -23,10 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.engine.indexing import slot_mapping
 from paged_engine.layers.context import get_forward_context
 
 
@@ -168,6 +170,28 @@ def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torc
     return torch.arange(context_len, device=device)[None, :] <= rows
 
 
+def attend_uncached(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_lens: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
+    """Each sequence attends causally over its own new rows only: the warm-up pass before
+    the pool exists (every backend), and prefill without a cached prefix. Host-side
+    lengths drive the slicing (no device sync); 4-D SDPA keeps memory linear in length."""
+    out = torch.empty_like(query)
+    start = 0
+    for q_len in query_lens:
+        end = start + q_len
+        q = query[start:end].transpose(0, 1)[None]
+        k = key[start:end].transpose(0, 1)[None]
+        v = value[start:end].transpose(0, 1)[None]
+        out[start:end] = _sdpa(q, k, v, scale, causal=True)[0].transpose(0, 1)
+        start = end
+    return out
+
+
 @dataclass(slots=True, frozen=True)
 class _DecodePlan:
     """What every layer of one decode step reads, derived once per step."""
@@ -249,7 +273,7 @@ class TorchAttentionBackend:
         if k_cache.numel() == 0:
             if meta.has_cached_prefix:
                 raise ValueError("attention over a cached prefix needs a KV cache; it is empty")
-            return self._attend_uncached(query, key, value, meta, scale)
+            return attend_uncached(query, key, value, meta.query_lens_cpu, scale)
         if meta.max_query_len == 1:  # decode, or prefill chunks of one token each
             return self._attend_gathered(query, k_cache, v_cache, meta, scale)
         out = torch.empty_like(query)
@@ -275,26 +299,6 @@ class TorchAttentionBackend:
                 mask, causal = _causal_mask(q_len, ctx_len, query.device), False
             o = _sdpa(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask, causal)
             out[start:end] = o[0].transpose(0, 1)
-            start = end
-        return out
-
-    def _attend_uncached(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """No cache (warm-up): each sequence attends over its own new rows only."""
-        out = torch.empty_like(query)
-        start = 0
-        for q_len in meta.query_lens_cpu:
-            end = start + q_len
-            q = query[start:end].transpose(0, 1)[None]
-            k = key[start:end].transpose(0, 1)[None]
-            v = value[start:end].transpose(0, 1)[None]
-            out[start:end] = _sdpa(q, k, v, scale, causal=True)[0].transpose(0, 1)
             start = end
         return out
 
@@ -470,17 +474,18 @@ def get_attention_backend(
 def make_attention_metadata(
     query_lens: Sequence[int],
     seq_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    block_tables: Sequence[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
     is_prefill: bool | None = None,
 ) -> AttentionMetadata:
-    """Build one step's layout from plain lists (tests, warm-up, simple callers).
+    """One step's layout from plain lists: the model runner's, and tests'.
 
     Sequence ``i``'s new tokens are the last ``query_lens[i]`` of its ``seq_lens[i]``-token
-    context; their slots follow from its block table. An empty ``block_tables`` (no cache)
-    gives slot -1 everywhere and a ``[num_seqs, 0]`` table. ``is_prefill`` defaults to
-    "some sequence has more than one new token".
+    context; their slots come from its block table through ``engine.indexing.slot_mapping``
+    (the arithmetic CrossHair checks). Empty ``block_tables`` (no cache yet: warm-up) give
+    slot -1 everywhere and a ``[num_seqs, 0]`` table. ``is_prefill`` defaults to "some
+    sequence has more than one new token".
     """
     if len(query_lens) != len(seq_lens) or (block_tables and len(block_tables) != len(seq_lens)):
         raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
@@ -488,28 +493,26 @@ def make_attention_metadata(
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         if not 1 <= q_len <= s_len:
             raise ValueError(f"sequence {i}: need 1 <= query_len <= seq_len, got {q_len}, {s_len}")
-        for pos in range(s_len - q_len, s_len):
-            if block_tables:
-                slots.append(block_tables[i][pos // block_size] * block_size + pos % block_size)
-            else:
-                slots.append(-1)
+        if block_tables:
+            slots.extend(slot_mapping(block_tables[i], block_size, s_len - q_len, s_len))
+        else:
+            slots.extend([-1] * q_len)
     width = max((len(row) for row in block_tables), default=0)
-    table = [list(row) + [-1] * (width - len(row)) for row in block_tables] or [
-        [] for _ in seq_lens
-    ]
-    q_cum = [0, *itertools.accumulate(query_lens)]
-    s_cum = [0, *itertools.accumulate(seq_lens)]
+    # numpy builds a nested list's array ~3x faster than torch.tensor (~0.1 ms a step)
+    tables = np.full((len(seq_lens), width), -1, dtype=np.int32)
+    for i, row in enumerate(block_tables):
+        tables[i, : len(row)] = row
 
-    def i32(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
     return AttentionMetadata(
         is_prefill=max(query_lens) > 1 if is_prefill is None else is_prefill,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=i32(q_cum),
-        seq_start_loc=i32(s_cum),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+        query_start_loc=i32([0, *itertools.accumulate(query_lens)]),
+        seq_start_loc=i32([0, *itertools.accumulate(seq_lens)]),
         seq_lens=i32(list(seq_lens)),
-        block_tables=i32(table).view(len(seq_lens), width),
+        block_tables=torch.from_numpy(tables).to(device, non_blocking=True),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=tuple(query_lens),

@@ -10,15 +10,12 @@ that one of the two is really available.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
-import torch.nn.functional as F
 
 from paged_engine.kernels.paged_decode_attention import is_interpreted, paged_decode_attention
 from paged_engine.kernels.paged_prefill_attention import paged_prefill_attention
 from paged_engine.kernels.store_kv import INTERPRETER_DTYPES, SUPPORTED_DTYPES
-from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.layers.attention import AttentionMetadata, attend_uncached
 from paged_engine.layers.attention_kernel import KernelAttentionBackend, cache_is_empty
 
 
@@ -40,32 +37,6 @@ def triton_backend_problem(block_size: int, dtype: torch.dtype) -> str | None:
             "arithmetic is broken); use float16 or float32 there, or run on CUDA"
         )
     return None
-
-
-def causal_attention_uncached(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_lens: tuple[int, ...],
-    scale: float,
-) -> torch.Tensor:
-    """Per-sequence causal attention over the step's own K/V (warm-up: no cache exists yet).
-
-    Host-side lengths drive the slicing, so there is no device sync; SDPA keeps the memory
-    linear in the sequence length, which matters because warm-up runs the longest batch.
-    """
-    out = torch.empty_like(query)
-    group = query.shape[1] // key.shape[1]
-    starts = [0, *itertools.accumulate(query_lens)]
-    for s, e in itertools.pairwise(starts):
-        if s == e:
-            continue
-        q = query[s:e].transpose(0, 1)  # [H, n, d]
-        k = key[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
-        v = value[s:e].repeat_interleave(group, dim=1).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        out[s:e] = o.transpose(0, 1)
-    return out
 
 
 class TritonAttentionBackend(KernelAttentionBackend):
@@ -99,7 +70,7 @@ class TritonAttentionBackend(KernelAttentionBackend):
         on short contexts still covers the long ones it replays.
         """
         if cache_is_empty(k_cache, meta):
-            return causal_attention_uncached(query, key, value, meta.query_lens_cpu, scale)
+            return attend_uncached(query, key, value, meta.query_lens_cpu, scale)
         if not meta.is_prefill:
             return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return self._prefill(

@@ -10,7 +10,6 @@ rarely so small that float noise could flip an argmax.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -203,17 +202,3 @@ def make_tiny_model(
         raise RuntimeError(f"wanted {num_shards} safetensors files, wrote {len(written)}")
     tokenizer.save_pretrained(out)
     return out
-
-
-def main() -> None:
-    """``python -m paged_engine.utils.tiny_model OUT_DIR``: write a tiny model there."""
-    import sys
-
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m paged_engine.utils.tiny_model OUT_DIR")
-    path = make_tiny_model(sys.argv[1])
-    print(json.dumps({"model_dir": str(path)}))
-
-
-if __name__ == "__main__":
-    main()
