@@ -143,3 +143,9 @@ def test_cli_generate_and_make_tiny_model(
     assert capsys.readouterr().out.strip()
     assert cli([*args, "--block-size", "0"]) == 2
     assert "kvcache_block_size" in capsys.readouterr().err
+
+
+def test_params_list_of_the_wrong_length_through_generate(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["hello"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
