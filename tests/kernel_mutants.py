@@ -10,13 +10,16 @@ GQA ratios above 1 with several KV heads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from paged_engine.kernels.paged_decode_attention import _paged_decode_attention
 from paged_engine.kernels.paged_prefill_attention import _paged_prefill_attention
+from paged_engine.layers.attention import TorchAttentionBackend
+from paged_engine.layers.cascade import CascadePlan
 
 _LAUNCHERS = {"decode": _paged_decode_attention, "prefill": _paged_prefill_attention}
 
@@ -55,3 +58,69 @@ MUTANTS: tuple[KernelMutant, ...] = (
         bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
 )
+
+
+# --------------------------------------------------------------------------------------------
+# Cascade (shared-prefix) decode attention in the torch backend: bugs planted in the step's
+# plan, so the real ``cascade_decode`` runs on them (again no second copy of the maths).
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CascadeMutant:
+    """A broken ``CascadePlan``: ``mutate`` turns the real plan into the buggy one."""
+
+    name: str
+    mutate: Callable[[CascadePlan], CascadePlan]
+    bug: str
+
+
+def _swap_members(plan: CascadePlan) -> CascadePlan:
+    return replace(plan, member_slots=plan.member_slots.flip(0))
+
+
+def _unmask_rest(plan: CascadePlan) -> CascadePlan:
+    return replace(plan, rest_mask=torch.zeros_like(plan.rest_mask))
+
+
+def _drop_first_rest(plan: CascadePlan) -> CascadePlan:
+    # Each sequence's first non-shared position is masked out, as if the split were made
+    # one token too late.
+    mask = plan.rest_mask.clone()
+    mask[..., 0] = float("-inf")
+    last_real = (plan.rest_mask == 0).sum(-1).squeeze(-1) == 1
+    mask[last_real, :, 0] = 0  # a one-token rest keeps its token (no all-masked row)
+    return replace(plan, rest_mask=mask)
+
+
+CASCADE_MUTANTS: tuple[CascadeMutant, ...] = (
+    CascadeMutant(
+        "cascade_members_swapped",
+        _swap_members,
+        "members' rows are paired with another member's prefix attention in the merge",
+    ),
+    CascadeMutant(
+        "cascade_rest_padding_unmasked",
+        _unmask_rest,
+        "the padding of shorter rests (copies of their first position) is attended",
+    ),
+    CascadeMutant(
+        "cascade_rest_first_position_dropped",
+        _drop_first_rest,
+        "the first position after the shared prefix is in neither part",
+    ),
+)
+
+
+class CascadeMutantBackend(TorchAttentionBackend):
+    """The torch backend, cascading every shared prefix, with ``mutant``'s plan bug."""
+
+    def __init__(self, mutant: CascadeMutant, block_size: int, dtype: torch.dtype) -> None:
+        super().__init__(block_size, dtype, shared_prefix_min_tokens=0)
+        self.mutant = mutant
+
+    def _decode_plan(  # type: ignore[no-untyped-def]
+        self, meta, block_size, dtype, num_kv_heads
+    ):
+        plan = super()._decode_plan(meta, block_size, dtype, num_kv_heads)
+        return self.mutant.mutate(plan) if isinstance(plan, CascadePlan) else plan

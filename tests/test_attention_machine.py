@@ -35,10 +35,21 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from paged_engine.kernels.paged_decode_attention import is_interpreted
-from paged_engine.layers.attention import AttentionBackend, TorchAttentionBackend
+from paged_engine.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttentionBackend,
+)
 from paged_engine.layers.attention_triton import TritonAttentionBackend
+from paged_engine.layers.cascade import CascadePlan
 from tests.attention_machine import BackendFactory, Geometry, Lane, MachineConfig, make_machine
-from tests.kernel_mutants import MUTANTS, KernelMutant
+from tests.kernel_mutants import (
+    CASCADE_MUTANTS,
+    MUTANTS,
+    CascadeMutant,
+    CascadeMutantBackend,
+    KernelMutant,
+)
 
 CUDA = torch.cuda.is_available()
 INTERPRETED = is_interpreted()
@@ -91,15 +102,42 @@ BASE = settings(
 )
 
 
+class CascadeCounter(TorchAttentionBackend):
+    """The torch backend attending every shared prefix as a cascade (threshold 0), counting
+    the decode steps that did, so a test can tell the cascade path really ran."""
+
+    def __init__(self, block_size: int, dtype: torch.dtype, seen: set[int]) -> None:
+        super().__init__(block_size, dtype, shared_prefix_min_tokens=0)
+        self.seen = seen
+
+    def _decode_plan(
+        self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, num_kv_heads: int
+    ) -> object:
+        plan = super()._decode_plan(meta, block_size, dtype, num_kv_heads)
+        if isinstance(plan, CascadePlan):
+            self.seen.add(id(plan))
+        return plan
+
+
 def test_torch_backend_machine() -> None:
-    """The production CPU path, float32 and float16: 60 runs of up to 40 steps (~4 s)."""
+    """The production CPU path, float32 and float16, with and without shared-prefix
+    cascades: 60 runs of up to 40 steps (~6 s)."""
+    cascades: set[int] = set()
+    cascade = functools.partial(CascadeCounter, seen=cascades)
     config = MachineConfig(
-        lanes=(lane("torch", torch_backend, FP32), lane("torch", torch_backend, FP16))
+        lanes=(
+            lane("torch", torch_backend, FP32),
+            lane("torch", torch_backend, FP16),
+            lane("torch-cascade", cascade, FP32),
+            lane("torch-cascade", cascade, FP16),
+        )
     )
     run_state_machine_as_test(
         make_machine(config),
         settings=settings(BASE, max_examples=60, stateful_step_count=40),
     )
+    # Decode steps where running sequences shared prefix blocks: the cascade lanes ran them.
+    assert len(cascades) >= 10, f"only {len(cascades)} cascade decode steps were exercised"
 
 
 @needs_interpreter
@@ -187,6 +225,32 @@ def test_real_triton_passes_the_same_hunt() -> None:
     """The hunt's settings must not fail the real kernels (or the catches mean nothing)."""
     config = MachineConfig(lanes=(lane("triton", triton_backend, FP32),))
     run_state_machine_as_test(make_machine(config), settings=HUNT)
+
+
+CASCADE_HUNT = settings(HUNT, max_examples=40, stateful_step_count=30)
+"""Cascades need two running sequences sharing a prefix block: more runs than the kernels'."""
+
+
+def cascade_config(factory: BackendFactory, name: str) -> MachineConfig:
+    return MachineConfig(lanes=(Lane(name, factory, FP32),))
+
+
+@pytest.mark.parametrize("mutant", CASCADE_MUTANTS, ids=[m.name for m in CASCADE_MUTANTS])
+def test_machine_catches_cascade_mutant(mutant: CascadeMutant) -> None:
+    factory = functools.partial(CascadeMutantBackend, mutant)
+    with pytest.raises(AssertionError, match="differs from naive attention"):
+        run_state_machine_as_test(
+            make_machine(cascade_config(factory, f"mutant-{mutant.name}")), settings=CASCADE_HUNT
+        )
+
+
+def test_real_cascade_passes_the_same_hunt() -> None:
+    cascades: set[int] = set()
+    factory = functools.partial(CascadeCounter, seen=cascades)
+    run_state_machine_as_test(
+        make_machine(cascade_config(factory, "torch-cascade")), settings=CASCADE_HUNT
+    )
+    assert cascades, "the hunt never reached a cascade decode step: its catches would mean nothing"
 
 
 class StrayStoreBackend(TorchAttentionBackend):

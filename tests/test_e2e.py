@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from paged_engine import LLM, SamplingParams
+from paged_engine.layers.attention import TorchAttentionBackend
+from paged_engine.layers.cascade import CascadePlan
 from tests.hf_oracle import HFOracle, Reference, compare
 
 MAX_TOKENS = 24
@@ -90,3 +93,24 @@ def test_small_blocks_and_prefix_caching_off(
     )
     check(llm, prompts[::4], references[::4])
     assert llm.last_run_stats is not None and llm.last_run_stats.cached_prompt_tokens == 0
+
+
+def test_shared_prefix_cascades(
+    tiny_model_dir: Path, prompts: list[list[int]], references: list[Reference]
+) -> None:
+    # The default threshold leaves these short prefixes (2-5 blocks) to the plain decode
+    # path; at 0 every decode step whose batch shares prefix blocks runs as a cascade.
+    llm = LLM(tiny_model_dir, num_kvcache_blocks=256, max_model_len=256)
+    backend = llm.model_runner.backend
+    assert isinstance(backend, TorchAttentionBackend)
+    backend.shared_prefix_min_tokens = 0
+    plans: list[object] = []
+    plan = backend._decode_plan
+
+    def recording(*args: Any) -> object:
+        plans.append(result := plan(*args))
+        return result
+
+    backend._decode_plan = recording  # type: ignore[method-assign]
+    check(llm, prompts, references)
+    assert any(isinstance(p, CascadePlan) for p in plans)

@@ -29,6 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.engine.indexing import slot_mapping
+from paged_engine.layers.cascade import (
+    CascadePlan,
+    SharedPrefix,
+    cascade_decode,
+    find_shared_prefixes,
+    make_plan,
+)
 from paged_engine.layers.context import get_forward_context
 
 
@@ -60,6 +67,10 @@ class AttentionMetadata:
     query_lens_cpu: tuple[int, ...]
     """Host copies of the per-sequence lengths, so backends never sync with the device."""
     seq_lens_cpu: tuple[int, ...]
+    block_tables_cpu: tuple[tuple[int, ...], ...] = ()
+    """Host copy of the block tables (unpadded); empty when the caller did not provide one
+    (backends then use ``block_tables``). The torch backend plans shared-prefix decode
+    attention from it without a device sync."""
 
     @property
     def num_seqs(self) -> int:
@@ -192,6 +203,10 @@ def attend_uncached(
     return out
 
 
+SHARED_PREFIX_MIN_TOKENS = 512
+"""Default ``TorchAttentionBackend(shared_prefix_min_tokens=...)``; see its docstring."""
+
+
 @dataclass(slots=True, frozen=True)
 class _DecodePlan:
     """What every layer of one decode step reads, derived once per step."""
@@ -211,22 +226,40 @@ class TorchAttentionBackend:
 
     Correct on any device and the CPU path. A decode step (one new token per sequence) is
     one batched SDPA call per layer over every context, gathered through the block tables
-    (slot indices and mask built once per step and shared by every layer). Prefill loops
-    over sequences; one whose context is all new attends over its own K/V rows without
-    touching the cache.
+    (slot indices and mask built once per step and shared by every layer); when sequences
+    of the batch share prefix blocks, it is cascade attention instead (``layers.cascade``):
+    each shared prefix attended once for its whole group. Prefill loops over sequences;
+    one whose context is all new attends over its own K/V rows without touching the cache.
+
+    ``shared_prefix_min_tokens``: the gathered positions per layer a shared-prefix group
+    must save to be attended as a cascade (``None`` turns cascades off). The default is
+    where the cascade's extra tensor ops cost about what the gather they save does, on CPU.
     """
 
     name = "torch"
 
-    def __init__(self, block_size: int | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        shared_prefix_min_tokens: int | None = SHARED_PREFIX_MIN_TOKENS,
+    ) -> None:
         # Accepted for a uniform constructor with the other backends; the layout is read from
         # the cache tensors themselves.
         self.block_size = block_size
         self.dtype = dtype
+        if shared_prefix_min_tokens is not None and shared_prefix_min_tokens < 0:
+            raise ValueError(
+                f"shared_prefix_min_tokens must be >= 0 or None, got {shared_prefix_min_tokens}"
+            )
+        self.shared_prefix_min_tokens = shared_prefix_min_tokens
         # Per-step values derived from the step's metadata, shared by all layers. Keyed by
         # identity: the metadata (frozen) and slot mapping are built once per step; holding
         # them keeps their ids from being reused while the memo lives.
-        self._decode_memo: tuple[AttentionMetadata, int, torch.dtype, _DecodePlan] | None = None
+        self._decode_memo: (
+            tuple[AttentionMetadata, tuple[int, torch.dtype, int], _DecodePlan | CascadePlan] | None
+        ) = None
         self._store_memo: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def store_kv(
@@ -303,11 +336,31 @@ class TorchAttentionBackend:
         return out
 
     def _decode_plan(
-        self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype
-    ) -> _DecodePlan:
+        self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, num_kv_heads: int
+    ) -> _DecodePlan | CascadePlan:
+        key = (block_size, dtype, num_kv_heads)
         memo = self._decode_memo
-        if memo is not None and memo[0] is meta and memo[1:3] == (block_size, dtype):
-            return memo[3]
+        if memo is not None and memo[0] is meta and memo[1] == key:
+            return memo[2]
+        plan: _DecodePlan | CascadePlan
+        groups: tuple[SharedPrefix, ...] = ()
+        if self.shared_prefix_min_tokens is not None and meta.block_tables_cpu:
+            groups = find_shared_prefixes(
+                meta.block_tables_cpu,
+                meta.seq_lens_cpu,
+                meta.query_lens_cpu,
+                block_size,
+                self.shared_prefix_min_tokens,
+            )
+        if groups:
+            plan = make_plan(groups, meta.block_tables, meta.seq_lens_cpu, block_size, num_kv_heads)
+        else:
+            plan = self._plain_plan(meta, block_size, dtype)
+        self._decode_memo = (meta, key, plan)
+        return plan
+
+    @staticmethod
+    def _plain_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _DecodePlan:
         device = meta.block_tables.device
         num_seqs, length = meta.num_seqs, meta.max_seq_len
         tables = meta.block_tables[:, : -(-length // block_size)].long()
@@ -316,12 +369,10 @@ class TorchAttentionBackend:
         offsets = torch.arange(block_size, device=device)
         slots = (tables[:, :, None] * block_size + offsets).view(num_seqs, -1)[:, :length]
         valid = torch.arange(length, device=device) < meta.seq_lens[:, None]
-        plan = _DecodePlan(
+        return _DecodePlan(
             index=torch.where(valid, slots, first * block_size).flatten(),
             mask=_additive_mask(valid, dtype),
         )
-        self._decode_memo = (meta, block_size, dtype, plan)
-        return plan
 
     def _attend_gathered(
         self,
@@ -341,7 +392,9 @@ class TorchAttentionBackend:
         num_seqs, num_heads, d = query.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
-        plan = self._decode_plan(meta, block_size, query.dtype)
+        plan = self._decode_plan(meta, block_size, query.dtype, num_kv_heads)
+        if isinstance(plan, CascadePlan):
+            return cascade_decode(query, k_cache, v_cache, plan, scale)
         row = num_kv_heads * d
         shape = (num_seqs, meta.max_seq_len, num_kv_heads, d)
         k = k_cache.view(-1, row).index_select(0, plan.index).view(shape).transpose(1, 2)
@@ -517,4 +570,5 @@ def make_attention_metadata(
         max_seq_len=max(seq_lens),
         query_lens_cpu=tuple(query_lens),
         seq_lens_cpu=tuple(seq_lens),
+        block_tables_cpu=tuple(map(tuple, block_tables)),
     )
