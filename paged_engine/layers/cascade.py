@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["CascadePlan", "SharedPrefix", "cascade_decode", "find_shared_prefixes", "make_plan"]
@@ -120,39 +121,36 @@ def make_plan(
     block_size: int,
     num_kv_heads: int,
 ) -> CascadePlan:
-    """Index tensors for a decode step (one new token per sequence) with these groups."""
+    """Index tensors for a decode step (one new token per sequence) with these groups.
+
+    Built with numpy on the host (a few microseconds an op where torch takes several times
+    that on arrays this small), then moved to ``block_tables``' device once.
+    """
     device = block_tables.device
-    heads = torch.arange(num_kv_heads, device=device)
-    skip = [0] * len(seq_lens)  # shared-prefix tokens of each sequence
+    tables = block_tables.cpu().numpy().astype(np.int64)  # rows padded with -1
+    heads = np.arange(num_kv_heads)[:, None]
+    skip = np.zeros(len(seq_lens), dtype=np.int64)  # shared-prefix tokens of each sequence
     for g in groups:
-        for i in g.seqs:
-            skip[i] = len(g.blocks) * block_size
+        skip[list(g.seqs)] = len(g.blocks) * block_size
 
     # The rest: positions skip_i + j for j < seq_len_i - skip_i (never empty: the newest
     # token is past every shared block); padding reads position skip_i.
-    rest = [s - k for s, k in zip(seq_lens, skip, strict=True)]
-    rest_len = max(rest)
-    cols = torch.arange(rest_len, device=device)
-    valid = cols < torch.tensor(rest, device=device)[:, None]
-    start = torch.tensor(skip, device=device)[:, None]
-    pos = start + torch.where(valid, cols, 0)
-    tables = block_tables.long()
-    slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
-    rest_index = (slots[:, None, :] * num_kv_heads + heads[:, None]).flatten()
-    rest_mask = _additive(valid, num_kv_heads)
+    rest = np.asarray(seq_lens, dtype=np.int64) - skip
+    rest_len = int(rest.max())
+    cols = np.arange(rest_len)
+    valid = cols < rest[:, None]
+    pos = skip[:, None] + np.where(valid, cols, 0)
+    slots = np.take_along_axis(tables, pos // block_size, axis=1) * block_size + pos % block_size
+    rest_index = (slots[:, None, :] * num_kv_heads + heads).ravel()
 
     # The shared prefixes, padded to the longest; padding reads the group's first slot.
-    prefix_len = max(len(g.blocks) for g in groups) * block_size
-    width = prefix_len // block_size
-    blocks = torch.tensor(
-        [list(g.blocks) + [g.blocks[0]] * (width - len(g.blocks)) for g in groups],
-        device=device,
-    )
-    lens = torch.tensor([len(g.blocks) * block_size for g in groups], device=device)
-    offsets = torch.arange(block_size, device=device)
-    p_slots = (blocks[:, :, None] * block_size + offsets).flatten(1)
-    p_valid = torch.arange(prefix_len, device=device) < lens[:, None]
-    prefix_index = (p_slots[:, None, :] * num_kv_heads + heads[:, None]).flatten()
+    width = max(len(g.blocks) for g in groups)
+    blocks = np.array([[*g.blocks] + [g.blocks[0]] * (width - len(g.blocks)) for g in groups])
+    prefix_len = width * block_size
+    p_slots = (blocks[:, :, None] * block_size + np.arange(block_size)).reshape(len(groups), -1)
+    shared = np.array([len(g.blocks) * block_size for g in groups])
+    p_valid = np.arange(prefix_len) < shared[:, None]
+    prefix_index = (p_slots[:, None, :] * num_kv_heads + heads).ravel()
 
     max_members = max(len(g.seqs) for g in groups)
     member_index = [
@@ -160,25 +158,29 @@ def make_plan(
     ]
     rows = [i for g in groups for i in g.seqs]
     flat = [n * max_members + j for n, g in enumerate(groups) for j in range(len(g.seqs))]
+
+    def put(a: np.ndarray | list[int]) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
+
     return CascadePlan(
-        rest_index=rest_index,
-        rest_mask=rest_mask,
+        rest_index=put(rest_index),
+        rest_mask=_additive(valid, num_kv_heads).to(device),
         rest_len=rest_len,
-        prefix_index=prefix_index,
-        prefix_mask=_additive(p_valid, num_kv_heads),
+        prefix_index=put(prefix_index),
+        prefix_mask=_additive(p_valid, num_kv_heads).to(device),
         prefix_len=prefix_len,
-        member_index=torch.tensor(member_index, device=device),
+        member_index=put(member_index),
         max_members=max_members,
-        member_rows=torch.tensor(rows, device=device),
-        member_slots=torch.tensor(flat, device=device),
+        member_rows=put(rows),
+        member_slots=put(flat),
     )
 
 
-def _additive(valid: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def _additive(valid: np.ndarray, num_kv_heads: int) -> torch.Tensor:
     """``[N, L]`` bool -> ``[N * kvh, 1, L]`` float32 0 / -inf (cast to the query dtype
-    by the caller's ops)."""
-    mask = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
-    return mask[:, None, None, :].expand(-1, num_kv_heads, 1, -1).reshape(-1, 1, valid.shape[1])
+    where it is used)."""
+    mask = np.where(valid, np.float32(0), np.float32("-inf"))
+    return torch.from_numpy(np.repeat(mask, num_kv_heads, axis=0)[:, None, :])
 
 
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
