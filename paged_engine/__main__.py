@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paged_engine.config import ATTENTION_BACKENDS
+
 DEMO_SYSTEM_PROMPTS = [
     "You are a careful assistant. Answer briefly and cite the rule you apply. " * 6,
     "The following is a conversation about paged attention and prefix caching. " * 6,
@@ -43,9 +45,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash-attn"]
-    )
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--no-prefix-caching", action="store_true")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-AttentionBackendName = Literal["auto", "torch", "triton", "flash-attn"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flash-attn")
+AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton", "flash-attn")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 
 

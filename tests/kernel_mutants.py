@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from paged_engine.kernels.paged_decode_attention import _paged_decode_attention
+from paged_engine.kernels.paged_decode_cpu import paged_decode_attention_cpu
 from paged_engine.kernels.paged_prefill_attention import _paged_prefill_attention
 from paged_engine.layers.attention import TorchAttentionBackend
+from paged_engine.layers.attention_cpu import CpuAttentionBackend
 from paged_engine.layers.cascade import CascadePlan
 
 _LAUNCHERS = {"decode": _paged_decode_attention, "prefill": _paged_prefill_attention}
@@ -124,3 +126,44 @@ class CascadeMutantBackend(TorchAttentionBackend):
     ):
         plan = super()._decode_plan(meta, block_size, dtype, num_kv_heads)
         return self.mutant.mutate(plan) if isinstance(plan, CascadePlan) else plan
+
+
+# --------------------------------------------------------------------------------------------
+# The compiled CPU decode kernel (csrc/paged_decode_cpu.c): the same bug classes, planted
+# through its ``kernel_flags`` bits (the real kernel with one bug switched on).
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuKernelMutant:
+    """A ``KernelMutant`` for the CPU decode kernel: ``flag`` is a bit of ``kernel_flags``."""
+
+    name: str
+    flag: int
+    bug: str
+    kind: str = "decode"
+
+    def launch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return paged_decode_attention_cpu(*args, **kwargs, kernel_flags=self.flag)
+
+
+CPU_MUTANTS: tuple[CpuKernelMutant, ...] = (
+    CpuKernelMutant(
+        name="cpu_decode_block_walk_floor",
+        flag=1,
+        bug="reads seq_len // block_size whole blocks: drops a partial last block",
+    ),
+    CpuKernelMutant(
+        name="cpu_decode_gqa_wrong_kv_head",
+        flag=2,
+        bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
+    ),
+)
+
+
+class CpuMutantBackend(CpuAttentionBackend):
+    """The CPU backend with ``mutant``'s decode kernel."""
+
+    def __init__(self, mutant: CpuKernelMutant, block_size: int, dtype: torch.dtype) -> None:
+        super().__init__(block_size, dtype)
+        self._decode = mutant.launch

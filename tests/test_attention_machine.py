@@ -40,14 +40,18 @@ from paged_engine.layers.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
 )
+from paged_engine.layers.attention_cpu import CpuAttentionBackend
 from paged_engine.layers.attention_triton import TritonAttentionBackend
 from paged_engine.layers.cascade import CascadePlan
 from tests.attention_machine import BackendFactory, Geometry, Lane, MachineConfig, make_machine
 from tests.kernel_mutants import (
     CASCADE_MUTANTS,
+    CPU_MUTANTS,
     MUTANTS,
     CascadeMutant,
     CascadeMutantBackend,
+    CpuKernelMutant,
+    CpuMutantBackend,
     KernelMutant,
 )
 
@@ -70,6 +74,10 @@ DTYPE_IDS = {FP32: "fp32", FP16: "fp16", BF16: "bf16"}
 
 def torch_backend(block_size: int, dtype: torch.dtype) -> AttentionBackend:
     return TorchAttentionBackend(block_size=block_size, dtype=dtype)
+
+
+def cpu_backend(block_size: int, dtype: torch.dtype) -> AttentionBackend:
+    return CpuAttentionBackend(block_size=block_size, dtype=dtype)
 
 
 def triton_backend(block_size: int, dtype: torch.dtype) -> AttentionBackend:
@@ -120,12 +128,14 @@ class CascadeCounter(TorchAttentionBackend):
 
 
 def test_torch_backend_machine() -> None:
-    """The production CPU path, float32 and float16, with and without shared-prefix
-    cascades: 60 runs of up to 40 steps (~6 s)."""
+    """The CPU paths: the compiled decode kernel (float32), and the torch backend in
+    float32 and float16 with and without shared-prefix cascades: 60 runs of up to 40
+    steps (~6 s)."""
     cascades: set[int] = set()
     cascade = functools.partial(CascadeCounter, seen=cascades)
     config = MachineConfig(
         lanes=(
+            lane("cpu", cpu_backend, FP32),
             lane("torch", torch_backend, FP32),
             lane("torch", torch_backend, FP16),
             lane("torch-cascade", cascade, FP32),
@@ -251,6 +261,19 @@ def test_real_cascade_passes_the_same_hunt() -> None:
         make_machine(cascade_config(factory, "torch-cascade")), settings=CASCADE_HUNT
     )
     assert cascades, "the hunt never reached a cascade decode step: its catches would mean nothing"
+
+
+@pytest.mark.parametrize("mutant", CPU_MUTANTS, ids=[m.name for m in CPU_MUTANTS])
+def test_machine_catches_cpu_kernel_mutant(mutant: CpuKernelMutant) -> None:
+    factory = functools.partial(CpuMutantBackend, mutant)
+    config = MachineConfig(lanes=(Lane(f"mutant-{mutant.name}", factory, FP32),))
+    with pytest.raises(AssertionError, match="differs from naive attention"):
+        run_state_machine_as_test(make_machine(config), settings=HUNT)
+
+
+def test_real_cpu_kernel_passes_the_same_hunt() -> None:
+    config = MachineConfig(lanes=(lane("cpu", cpu_backend, FP32),))
+    run_state_machine_as_test(make_machine(config), settings=HUNT)
 
 
 class StrayStoreBackend(TorchAttentionBackend):

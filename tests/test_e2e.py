@@ -52,6 +52,8 @@ def test_plain_then_served_from_the_prefix_cache(
     tiny_model_dir: Path, prompts: list[list[int]], references: list[Reference]
 ) -> None:
     llm = LLM(tiny_model_dir, num_kvcache_blocks=256, max_model_len=256)
+    # "auto" on CPU in float32: decode on the compiled kernel (test_cpu_kernel.py)
+    assert llm.model_runner.backend.name == "cpu"
     check(llm, prompts, references)  # (a) plainly
     check(llm, prompts, references)  # (b) again: prompts now hit the prefix cache
     stats = llm.last_run_stats
@@ -100,9 +102,9 @@ def test_shared_prefix_cascades(
 ) -> None:
     # The default threshold leaves these short prefixes (2-5 blocks) to the plain decode
     # path; at 0 every decode step whose batch shares prefix blocks runs as a cascade.
-    llm = LLM(tiny_model_dir, num_kvcache_blocks=256, max_model_len=256)
+    llm = LLM(tiny_model_dir, num_kvcache_blocks=256, max_model_len=256, attention_backend="torch")
     backend = llm.model_runner.backend
-    assert isinstance(backend, TorchAttentionBackend)
+    assert type(backend) is TorchAttentionBackend
     backend.shared_prefix_min_tokens = 0
     plans: list[object] = []
     plan = backend._decode_plan

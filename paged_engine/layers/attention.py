@@ -491,18 +491,26 @@ def get_attention_backend(
 ) -> AttentionBackend:
     """Build the named backend, or fail before anything is allocated, saying why.
 
-    "auto" picks torch on CPU; on CUDA flash-attn when it can run, else Triton.
+    "auto" picks, on CPU, the compiled-kernel backend when it can run (float32, the
+    extension built) and torch otherwise; on CUDA flash-attn when it can run, else Triton.
     """
+    from paged_engine.layers.attention_cpu import CpuAttentionBackend, cpu_backend_problem
+
     device = torch.device(device)
     if name == "auto":
         if device.type != "cuda":
-            name = "torch"
+            name = "cpu" if cpu_backend_problem(device, dtype) is None else "torch"
         elif _flash_attn_problem(device, block_size, dtype) is None:
             name = "flash-attn"
         else:
             name = "triton"
     if name == "torch":
         return TorchAttentionBackend(block_size=block_size, dtype=dtype)
+    if name == "cpu":
+        problem = cpu_backend_problem(device, dtype)
+        if problem:
+            raise ValueError(f"attention backend 'cpu' cannot run: {problem}")
+        return CpuAttentionBackend(block_size=block_size, dtype=dtype)
     if name == "triton":
         problem = _triton_problem(device)
         if problem:
@@ -520,7 +528,8 @@ def get_attention_backend(
         backend = FlashAttnBackend(block_size=block_size, dtype=dtype)
         return backend
     raise ValueError(
-        f"unknown attention backend {name!r}; choose one of 'auto', 'torch', 'triton', 'flash-attn'"
+        f"unknown attention backend {name!r}; choose one of 'auto', 'torch', 'cpu', 'triton', "
+        "'flash-attn'"
     )
 
 

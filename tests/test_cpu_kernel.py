@@ -1,0 +1,215 @@
+"""The compiled CPU decode kernel (csrc/paged_decode_cpu.c) and the "cpu" backend.
+
+The kernel against ``paged_decode_attention_ref`` on the layouts tests/test_kernels.py uses
+for the Triton kernels (NaN outside every context, shared prefix blocks, lengths off block
+edges, GQA, strided queries) and on drawn ones, every head-dim specialisation included;
+its refusals (each leaves ``out`` untouched); its mutants; and the backend's routing. The
+attention machine (tests/test_attention_machine.py) and tests/test_e2e.py run it through
+the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_engine.kernels.paged_decode_cpu import cpu_kernels_problem, paged_decode_attention_cpu
+from paged_engine.layers.attention import (
+    TorchAttentionBackend,
+    get_attention_backend,
+    make_attention_metadata,
+)
+from paged_engine.layers.attention_cpu import CpuAttentionBackend
+from tests.kernel_mutants import CPU_MUTANTS, CpuKernelMutant
+from tests.test_kernels import (
+    DECODE_CASES,
+    TOL,
+    Case,
+    assert_close,
+    cpu_id,
+    decode_case,
+    make_tensors,
+    ref_decode,
+    run_decode,
+)
+
+CPU = torch.device("cpu")
+
+
+def test_the_extension_is_built() -> None:
+    """The package's install builds it on every machine with a C compiler (all of ours):
+    a silently skipped build must fail here, not quietly move decode back to torch."""
+    assert cpu_kernels_problem() is None, cpu_kernels_problem()
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=cpu_id)
+def test_matches_ref_on_the_triton_kernels_layouts(case: Case) -> None:
+    t = make_tensors(case, CPU)
+    assert_close(run_decode(t, paged_decode_attention_cpu), ref_decode(t))
+
+
+@pytest.mark.parametrize("head_dim", [16, 24, 32, 64, 128, 256])
+def test_every_head_dim_specialisation(head_dim: int) -> None:
+    # 16, 32, 64 and 128 have their own compiled copies; 24 and 256 take the generic one.
+    t = make_tensors(decode_case((45, 3, 16, 17), head_dim=head_dim, group=3), CPU)
+    assert_close(run_decode(t, paged_decode_attention_cpu), ref_decode(t))
+
+
+@st.composite
+def cpu_cases(draw: st.DrawFn) -> Case:
+    batch = draw(st.integers(1, 5))
+    return decode_case(
+        tuple(draw(st.lists(st.integers(1, 140), min_size=batch, max_size=batch))),
+        block_size=draw(st.sampled_from([1, 3, 8, 16, 64])),
+        num_kv_heads=draw(st.sampled_from([1, 2, 4])),
+        group=draw(st.sampled_from([1, 2, 3, 8, 16])),
+        head_dim=draw(st.sampled_from([16, 20, 32, 64])),
+        seed=draw(st.integers(0, 2**16)),
+        strided_query=draw(st.booleans()),
+        share_blocks=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(cpu_cases())
+def test_matches_ref_on_drawn_layouts(case: Case) -> None:
+    t = make_tensors(case, CPU)
+    assert_close(run_decode(t, paged_decode_attention_cpu), ref_decode(t))
+
+
+def test_zero_length_context_gives_zeros_and_fills_out() -> None:
+    t = make_tensors(decode_case((5, 20)), CPU)
+    t.seq_lens[0] = 0
+    out = torch.full_like(t.query, float("nan"))
+    assert run_decode(t, paged_decode_attention_cpu, out=out) is out
+    assert not out[0].any()
+    assert_close(out, ref_decode(t))
+
+
+def _args() -> dict[str, Any]:
+    t = make_tensors(decode_case((5, 20)), CPU)
+    return {
+        "query": t.query,
+        "k_cache": t.k_cache,
+        "v_cache": t.v_cache,
+        "block_tables": t.block_tables,
+        "seq_lens": t.seq_lens,
+        "scale": t.scale,
+    }
+
+
+def _set_table(a: dict[str, Any], row: int, col: int, value: int) -> None:
+    a["block_tables"] = a["block_tables"].clone()
+    a["block_tables"][row, col] = value
+
+
+BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    (
+        "float16",
+        lambda a: a.update({k: a[k].half() for k in ("query", "k_cache", "v_cache")}),
+        "only float32",
+    ),
+    ("block past the pool", lambda a: _set_table(a, 1, 0, 10**6), "sequence 1 reads block table"),
+    ("negative block", lambda a: _set_table(a, 0, 0, -1), "sequence 0 reads block table entry 0"),
+    ("length past the table", lambda a: a["seq_lens"].__setitem__(1, 10**4), "beyond its block"),
+    ("table strided", lambda a: a.update(block_tables=a["block_tables"][:, ::2]), "contiguous"),
+    ("query dtype", lambda a: a.update(query=a["query"].double()), "query dtype"),
+    ("seq_lens int64", lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens must be"),
+    (
+        "group of 17",
+        lambda a: a.update(query=a["query"].repeat(1, 17, 1)[:, :34]),
+        "at most 16 query heads",
+    ),
+]
+
+
+@pytest.mark.parametrize(("mutate", "match"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_refuses_bad_arguments_and_leaves_out_alone(
+    mutate: Callable[[dict[str, Any]], None], match: str
+) -> None:
+    args = _args()
+    mutate(args)
+    out = torch.full(args["query"].shape, 7.0, dtype=args["query"].dtype)
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention_cpu(**args, out=out)
+    assert bool((out == 7.0).all()), "a refused launch wrote to out"
+
+
+@pytest.mark.parametrize("mutant", CPU_MUTANTS, ids=[m.name for m in CPU_MUTANTS])
+def test_each_mutant_disagrees_with_ref_on_some_layout(mutant: CpuKernelMutant) -> None:
+    caught = [
+        cpu_id(case)
+        for case in DECODE_CASES
+        if not torch.allclose(
+            run_decode(t := make_tensors(case, CPU), mutant.launch),
+            ref_decode(t),
+            **TOL[case.dtype],
+        )
+    ]
+    assert caught, f"no layout catches mutant {mutant.name} ({mutant.bug})"
+
+
+# ---- the backend ----------------------------------------------------------------------------
+
+
+def _step(seq_lens: list[int], query_lens: list[int]) -> tuple[Any, ...]:
+    case = Case(seq_lens=tuple(seq_lens), query_lens=tuple(query_lens), block_size=8)
+    t = make_tensors(case, CPU)
+    tables = [[b for b in row if b >= 0] for row in t.block_tables.tolist()]
+    tables = [row[: -(-s // 8)] for row, s in zip(tables, seq_lens, strict=True)]
+    meta = make_attention_metadata(query_lens, seq_lens, tables, 8)
+    return t, meta
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens"),
+    [([37, 9, 16], [1, 1, 1]), ([37, 9, 16], [5, 9, 1])],
+    ids=["decode", "prefill"],
+)
+def test_backend_agrees_with_the_torch_backend(seq_lens: list[int], query_lens: list[int]) -> None:
+    t, meta = _step(seq_lens, query_lens)
+    calls: list[int] = []
+    cpu = CpuAttentionBackend(8, torch.float32)
+    kernel = cpu._decode
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)
+
+    cpu._decode = counting  # type: ignore[method-assign]
+    torch_backend = TorchAttentionBackend(8, torch.float32)
+    q = t.query
+    got = cpu.attend(q, q, q, t.k_cache, t.v_cache, meta, t.scale)
+    want = torch_backend.attend(q, q, q, t.k_cache, t.v_cache, meta, t.scale)
+    assert_close(got, want)
+    assert len(calls) == (1 if max(query_lens) == 1 else 0)  # only decode takes the kernel
+
+
+def test_auto_picks_the_kernel_for_float32_on_cpu_and_torch_otherwise() -> None:
+    assert get_attention_backend("auto", CPU, 16, torch.float32).name == "cpu"
+    assert get_attention_backend("auto", CPU, 16, torch.float16).name == "torch"
+
+
+def test_cpu_backend_refuses_what_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="float32 only"):
+        get_attention_backend("cpu", CPU, 16, torch.float16)
+    with pytest.raises(ValueError, match="float32 only"):
+        CpuAttentionBackend(16, torch.bfloat16)
+
+
+def test_a_missing_extension_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    import paged_engine.kernels.paged_decode_cpu as launcher
+
+    monkeypatch.setattr(launcher, "_MODULE", None)
+    monkeypatch.setattr(launcher, "_PROBLEM", "not built (test)")
+    with pytest.raises(RuntimeError, match="not built"):
+        paged_decode_attention_cpu(**_args())
+    # "auto" then falls back to the torch backend instead of failing.
+    assert get_attention_backend("auto", CPU, 16, torch.float32).name == "torch"
+    with pytest.raises(ValueError, match="not built"):
+        get_attention_backend("cpu", CPU, 16, torch.float32)
