@@ -10,7 +10,9 @@ rounds; also medians and process CPU time), against ``TARGET_SPEEDUP``; run both
 (the transformers one first) to get it.
 
 * **paged_engine**: all 64 requests to one ``LLM.generate`` call (default scheduling
-  limits, prefix caching on), each with its own ``max_tokens``. A fresh ``LLM`` per round
+  limits, prefix caching on, the default attention backend: "auto", i.e. the compiled CPU
+  decode kernel when built, recorded as ``attention_backend``), each with its own
+  ``max_tokens``. A fresh ``LLM`` per round
   (built outside the timed region), so no round is served from an earlier round's prefix
   cache. The KV pool is sized to hold every request at full length with no prefix sharing,
   so nothing is preempted.
