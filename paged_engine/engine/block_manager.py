@@ -9,8 +9,17 @@ snapshots; the tests drive both in lockstep), and built for the scheduler's hot 
 * Each full block's chained hash is computed once per sequence lifetime and kept in
   ``Sequence.block_hashes``; ``can_allocate`` (retried every step while a request waits),
   ``allocate``, ``hash_blocks`` and re-prefill after preemption all reuse it.
-* Tokens are packed to int64 bytes with a precompiled ``struct`` per block, never
-  through ``numpy.array``.
+* Likewise each full block is packed to int64 LE bytes once, into
+  ``Sequence.block_bytes`` (never through ``numpy.array``). The same bytes object feeds
+  the hash, the token check (R10: one memcmp) and, once registered, ``block_tokens``.
+  Bytes are not tracked by the garbage collector, so a prefix cache of thousands of
+  blocks adds nothing to its collections (a list of tokens per block did: each
+  registration counted towards the next collection, and each collection walked them).
+* The prefix walk runs its dict lookups and token checks through ``map`` (C loops);
+  Python-level loops remain only for hashing and for ref counts.
+* ``allocate``, and ``hash_blocks`` when a decode step fills a block, inline the per-block
+  hooks (``_take_hit``, ``_fresh_block``, ``_block_hashes``) unless a subclass overrides
+  them: there a Python call costs more than the work it wraps.
 * The decode path (``can_append``/``may_append``/``hash_blocks``) is a few integer
   operations per sequence when no block boundary is crossed.
 
@@ -23,6 +32,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
+from typing import cast
 
 from xxhash import xxh64_intdigest
 
@@ -32,6 +42,10 @@ from paged_engine.engine.sequence import Sequence
 __all__ = ["AllocatorState", "BlockManager", "HashFn", "xxh64_block_hash"]
 
 HashFn = Callable[[SequenceABC[int], "int | None"], int]
+
+_GROUPER_MAX_BLOCK_SIZE = 64
+"""Up to this block size, ``map`` over ``block_size`` references to one token iterator
+packs blocks fastest; above it, a slice per block does."""
 
 
 def xxh64_block_hash(token_ids: SequenceABC[int], prefix: int | None) -> int:
@@ -72,12 +86,23 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_hashes: list[int | None] = [None] * num_blocks
-        # Lists, not tuples: R10 compares them with a slice of the sequence's token list.
-        self.block_tokens: list[SequenceABC[int]] = [()] * num_blocks
+        # Each registered block's tokens, packed as the hash reads them (int64 LE; b"" when
+        # unset): R10 compares them with one memcmp, and the GC never walks them.
+        # Shared with the registering sequence's ``block_bytes``.
+        self.block_tokens: list[bytes] = [b""] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_fn = hash_fn
-        self._pack = struct.Struct(f"<{block_size}q").pack  # one full block, int64 LE
+        block_struct = struct.Struct(f"<{block_size}q")  # one full block, int64 LE
+        self._pack_block = block_struct.pack
+        self._unpack_block = block_struct.unpack
+        self._block_nbytes = block_struct.size
+        # Hot paths inline these hooks (a call costs more than the work), unless a subclass
+        # overrides them (tests/mutants.py does), which then gets them called.
+        cls = type(self)
+        self._inline_take_hit = cls._take_hit is BlockManager._take_hit
+        self._inline_fresh_block = cls._fresh_block is BlockManager._fresh_block
+        self._inline_block_hashes = cls._block_hashes is BlockManager._block_hashes
         self._version = 0
         self._memo: tuple[Sequence, int, int, list[int], int] | None = None
 
@@ -97,58 +122,110 @@ class BlockManager:
         self._version += 1
 
     def _fresh_block(self) -> int:
-        """R2: take the head of the free queue; drop its registration if still its own."""
+        """R2: take the head of the free queue; drop its registration if still its own.
+
+        ``allocate`` inlines this unless a subclass overrides it.
+        """
         block, _ = self.free_blocks.popitem(last=False)
-        old = self.block_hashes[block]
-        if old is not None:
-            if self.hash_to_block.get(old) == block:
-                del self.hash_to_block[old]
-            self.block_hashes[block] = None
-            self.block_tokens[block] = ()
+        if self.block_hashes[block] is not None:
+            self._unregister(block)
         self.ref_counts[block] = 1
         return block
 
+    def _unregister(self, block: int) -> None:
+        """R2's eviction: forget the block's hash and tokens, and its map entry if the
+        entry still points to it (a newer block with the same hash may own it)."""
+        old = self.block_hashes[block]
+        if old is not None and self.hash_to_block.get(old) == block:
+            del self.hash_to_block[old]
+        self.block_hashes[block] = None
+        self.block_tokens[block] = b""
+
+    def _packed_blocks(self, seq: Sequence, n: int) -> list[bytes]:
+        """The sequence's first ``n`` (full) blocks packed, one bytes object per block,
+        cached on it as ``block_bytes`` (full blocks never change: it never goes stale).
+
+        Beyond a decode step's one block, it packs every full block: the callers (prefix
+        lookups, prefill) ask for all of them but the last, and a bound costs more than
+        packing that one.
+        """
+        packed = seq.block_bytes
+        have = len(packed)
+        if have < n:
+            bs, pack, tokens = self.block_size, self._pack_block, seq.token_ids
+            if n - have == 1:  # a decode step filled one block
+                packed.append(pack(*tokens[have * bs : n * bs]))
+            elif bs <= _GROUPER_MAX_BLOCK_SIZE:
+                # The grouper idiom: ``map`` hands the packer ``bs`` consecutive tokens
+                # per call, all in C, and stops at a partial last block; for small
+                # blocks, slicing and calling per block in Python would cost half as
+                # much again.
+                rest = iter(tokens[have * bs :] if have else tokens)
+                packed += map(pack, *[rest] * bs)
+            else:
+                stop = len(tokens) - bs + 1
+                packed += [pack(*tokens[o : o + bs]) for o in range(have * bs, stop, bs)]
+        return packed
+
     def _block_hashes(self, seq: Sequence, n: int) -> list[int]:
-        """The sequence's hash chain, extended to at least its first ``n`` (full) blocks."""
+        """The sequence's hash chain, extended to at least its first ``n`` (full) blocks.
+
+        ``hash_blocks`` inlines it for a decode step's one block unless a subclass
+        overrides it.
+        """
         hashes = seq.block_hashes
         have = len(hashes)
         if have >= n:
             return hashes
-        bs, tokens = self.block_size, seq.token_ids
-        h = hashes[-1] if hashes else None
-        if self._hash_fn is None:
-            pack = self._pack
-            for i in range(have, n):
-                data = pack(*tokens[i * bs : (i + 1) * bs])
-                h = xxh64_intdigest(data if h is None else h.to_bytes(8, "little") + data)
-                hashes.append(h)
-        else:
+        if self._hash_fn is not None:
+            bs, tokens = self.block_size, seq.token_ids
+            h = hashes[-1] if hashes else None
             for i in range(have, n):
                 h = self._hash_fn(tokens[i * bs : (i + 1) * bs], h)
                 hashes.append(h)
+            return hashes
+        packed = self._packed_blocks(seq, n)
+        append = hashes.append
+        if not have:  # block 0 has no prefix
+            append(xxh64_intdigest(packed[0]))
+        h = hashes[-1]
+        for data in packed[len(hashes) : n]:
+            h = xxh64_intdigest(h.to_bytes(8, "little") + data)
+            append(h)
         return hashes
 
     def _lookup(self, seq: Sequence, num_candidates: int) -> list[int]:
         """R5, R10: blocks holding the sequence's first ``num_candidates`` blocks, in order,
         up to the first block that is unregistered or registered with other tokens."""
-        hits: list[int] = []
         if not self.enable_prefix_caching or num_candidates <= 0:
-            return hits
+            return []
+        packed = self._packed_blocks(seq, num_candidates)
         # The whole chain at once: hash_blocks needs these hashes after prefill anyway.
         hashes = self._block_hashes(seq, num_candidates)
-        bs, tokens = self.block_size, seq.token_ids
-        hash_to_block, block_tokens = self.hash_to_block, self.block_tokens
-        for i in range(num_candidates):
-            block = hash_to_block.get(hashes[i])
-            if block is None or block_tokens[block] != tokens[i * bs : (i + 1) * bs]:
-                break
-            hits.append(block)
+        # R5: the blocks registered under the leading hashes, up to the first miss.
+        found = list(map(self.hash_to_block.get, hashes[:num_candidates]))
+        try:  # one scan (comparing with None is slow: neither int nor None knows the other)
+            hits = cast("list[int]", found[: found.index(None)])
+        except ValueError:
+            hits = cast("list[int]", found)  # every candidate's hash is registered
+        # R10: all of them hold the sequence's tokens, unless a hash collided.
+        block_tokens = self.block_tokens
+        if list(map(block_tokens.__getitem__, hits)) != packed[: len(hits)]:
+            for i, (block, data) in enumerate(zip(hits, packed, strict=False)):
+                if block_tokens[block] != data:
+                    del hits[i:]
+                    break
         return hits
 
     def _hits(self, seq: Sequence) -> tuple[list[int], int]:
         """R5: the hits and the free blocks admitting ``seq`` costs (a hit in use costs
         nothing; a revived hit and each fresh block cost one), remembered until the state
-        or the sequence changes."""
+        or the sequence changes.
+
+        The cost is only ever compared with the free blocks in that same state, so when
+        they are at least ``seq.num_blocks`` (the most it can be), that bound stands in
+        for it and the hits' ref counts go unread.
+        """
         if seq.block_size != self.block_size:
             raise ValueError(
                 f"the sequence's block_size {seq.block_size} != the allocator's {self.block_size}"
@@ -163,18 +240,22 @@ class BlockManager:
             return memo[3], memo[4]
         n = seq.num_blocks
         hits = self._lookup(seq, n - 1)  # the last block is never looked up
-        ref_counts = self.ref_counts
-        needed = n - sum(1 for b in hits if ref_counts[b])
+        needed = n
+        if len(self.free_blocks) < n:
+            # Fresh blocks plus revived hits (ref count 0), counted at C speed.
+            needed -= len(hits) - list(map(self.ref_counts.__getitem__, hits)).count(0)
         self._memo = (seq, self._version, seq.num_tokens, hits, needed)
         return hits, needed
 
     def _take_hit(self, block: int) -> None:
-        """R6 for one hit: share it if in use, else revive it from anywhere in the queue."""
-        if self.ref_counts[block]:
-            self.ref_counts[block] += 1
-        else:
+        """R6 for one hit: share it if in use, else revive it from anywhere in the queue.
+
+        ``allocate`` inlines this unless a subclass overrides it.
+        """
+        rc = self.ref_counts[block]
+        if not rc:
             del self.free_blocks[block]  # O(1), wherever it stands
-            self.ref_counts[block] = 1
+        self.ref_counts[block] = rc + 1
 
     # ---- the allocator API -----------------------------------------------------------
 
@@ -196,27 +277,50 @@ class BlockManager:
         if len(self.free_blocks) < needed:
             raise RuntimeError("allocate: not enough free blocks for this sequence")
         self._state_changed()
+        ref_counts, free = self.ref_counts, self.free_blocks
+        if self._inline_take_hit:  # a prompt can hit hundreds of blocks
+            for block in hits:
+                rc = ref_counts[block]
+                if not rc:
+                    del free[block]
+                ref_counts[block] = rc + 1
+        else:
+            for block in hits:
+                self._take_hit(block)
         table = seq.block_table
-        for block in hits:
-            self._take_hit(block)
-            table.append(block)
-        for _ in range(seq.num_blocks - len(hits)):
-            table.append(self._fresh_block())
+        table += hits
+        num_fresh = seq.num_blocks - len(hits)
+        if self._inline_fresh_block:
+            popitem, block_hashes = free.popitem, self.block_hashes
+            for _ in range(num_fresh):
+                block = popitem(last=False)[0]
+                if block_hashes[block] is not None:
+                    self._unregister(block)
+                ref_counts[block] = 1
+                table.append(block)
+        else:
+            fresh_block = self._fresh_block
+            table += [fresh_block() for _ in range(num_fresh)]
         seq.num_cached_tokens = len(hits) * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
         """R7: a free block exists, or the newest token does not start a new block."""
-        return bool(self.free_blocks) or (seq.num_tokens - 1) % self.block_size != 0
+        if self.free_blocks:
+            return True
+        return (seq.num_tokens - 1) % self.block_size != 0
 
     def may_append(self, seq: Sequence) -> None:
         """R7: give the sequence a fresh block when its newest token starts one."""
         table = seq.block_table
-        last = seq.num_tokens - 1
         bs = self.block_size
-        if last % bs:  # the newest token lands in the last block: nothing to do
-            if table and len(table) == last // bs + 1:
-                return
-        elif table and len(table) == last // bs:
+        # The common decode step, in one test: the newest token lands in the table's last
+        # block, past its first slot: (len(table) - 1) * bs + 2 <= num_tokens <=
+        # len(table) * bs. Never true for an empty table (num_tokens >= 1), nor with
+        # block_size 1, where every token starts a block.
+        if 0 <= len(table) * bs - seq.num_tokens < bs - 1:
+            return
+        last = seq.num_tokens - 1
+        if last % bs == 0 and table and len(table) == last // bs:
             if not self.free_blocks:
                 raise RuntimeError("may_append: no free block")
             self._state_changed()
@@ -234,10 +338,14 @@ class BlockManager:
         cached = seq.num_cached_tokens
         total = cached + seq.num_scheduled_tokens
         bs = self.block_size
-        start, end = cached // bs, total // bs
-        table = seq.block_table
-        if start == end and 0 <= cached <= total <= seq.num_tokens and end <= len(table):
+        end = total // bs
+        if (
+            cached // bs == end
+            and 0 <= cached <= total <= seq.num_tokens
+            and end <= len(seq.block_table)
+        ):
             return  # the common decode step: no block filled, arguments valid
+        start, table = cached // bs, seq.block_table
         if cached < 0 or total < cached or total > seq.num_tokens:
             raise ValueError(
                 f"hash_blocks: num_cached_tokens={cached} + num_scheduled_tokens="
@@ -250,12 +358,36 @@ class BlockManager:
         if start == end or not self.enable_prefix_caching:
             return
         self._state_changed()
-        hashes, tokens = self._block_hashes(seq, end), seq.token_ids
+        hashes, packed = seq.block_hashes, seq.block_bytes
+        if (
+            end - start == 1
+            and len(hashes) == len(packed) == start > 0
+            and self._hash_fn is None
+            and self._inline_block_hashes
+        ):
+            # A decode step filled one block (every block_size steps of each sequence):
+            # _packed_blocks, _block_hashes and the registration below, inlined for it.
+            data = self._pack_block(*seq.token_ids[start * bs : end * bs])
+            h = xxh64_intdigest(hashes[-1].to_bytes(8, "little") + data)
+            packed.append(data)
+            hashes.append(h)
+            block = table[start]
+            self.block_hashes[block] = h
+            self.block_tokens[block] = data
+            self.hash_to_block[h] = block
+            return
+        hashes = self._block_hashes(seq, end)
+        packed = self._packed_blocks(seq, end)  # done by the hashing, unless hash_fn
+        block_hashes, block_tokens, hash_to_block = (
+            self.block_hashes,
+            self.block_tokens,
+            self.hash_to_block,
+        )
         for i in range(start, end):
             block, h = table[i], hashes[i]
-            self.block_hashes[block] = h
-            self.block_tokens[block] = tokens[i * bs : (i + 1) * bs]
-            self.hash_to_block[h] = block  # overwrite: the newest registration wins
+            block_hashes[block] = h
+            block_tokens[block] = packed[i]
+            hash_to_block[h] = block  # overwrite: the newest registration wins
 
     def deallocate(self, seq: Sequence) -> None:
         """R3: release last block first; freed blocks keep hash and tokens until reused."""
@@ -265,8 +397,9 @@ class BlockManager:
         self._state_changed()
         ref_counts, free = self.ref_counts, self.free_blocks
         for block in reversed(table):
-            ref_counts[block] -= 1
-            if not ref_counts[block]:
+            rc = ref_counts[block] - 1
+            ref_counts[block] = rc
+            if not rc:
                 free[block] = None
         table.clear()
         seq.num_cached_tokens = 0
@@ -279,7 +412,8 @@ class BlockManager:
             free_queue=tuple(self.free_blocks),
             ref_counts=tuple(self.ref_counts),
             block_hashes=tuple(self.block_hashes),
-            block_tokens=tuple(tuple(t) for t in self.block_tokens),
+            # Registered blocks are full; b"" (or a test's ()) means no tokens recorded.
+            block_tokens=tuple(self._unpack_block(t) if t else () for t in self.block_tokens),
             hash_to_block=tuple(sorted(self.hash_to_block.items())),
         )
 
@@ -290,7 +424,7 @@ class BlockManager:
             if rc < 0 or (rc == 0) != (b in free):
                 raise AssertionError(f"block {b}: ref_count {rc} but in free queue: {b in free}")
             if rc > 1 and (
-                self.block_hashes[b] is None or len(self.block_tokens[b]) != self.block_size
+                self.block_hashes[b] is None or len(self.block_tokens[b]) != self._block_nbytes
             ):
                 raise AssertionError(f"block {b} is shared but not full and hashed (R9)")
         if any(not 0 <= b < self.num_blocks for b in free):

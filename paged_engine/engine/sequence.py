@@ -32,9 +32,13 @@ class Sequence:
     computed once per lifetime although ``can_allocate`` runs every step while the request
     waits, and again after a preemption. Full blocks never change, so it never goes stale.
     It belongs to the allocator that filled it (one hash function per sequence).
+    ``block_bytes`` likewise caches the full blocks packed the way R4 hashes them (int64
+    little-endian, one bytes object per block): the allocator's token check (R10) and
+    its record of a registered block's tokens reuse them.
     """
 
     __slots__ = (
+        "block_bytes",
         "block_hashes",
         "block_size",
         "block_table",
@@ -85,6 +89,7 @@ class Sequence:
         self.block_size: int = block_size
         self.sampling_params: SamplingParams = sampling_params or SamplingParams()
         self.block_hashes: list[int] = []
+        self.block_bytes: list[bytes] = []
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -158,3 +163,4 @@ class Sequence:
         self.sampling_params = SamplingParams()
         self.num_prefix_hit_tokens = None
         self.block_hashes = []
+        self.block_bytes = []
