@@ -1,11 +1,12 @@
-"""Print the allocator benchmark's figures and targets from the newest saved run.
+"""Print the benchmarks' figures and targets from the newest saved run.
 
 Usage: ``python bench/report.py [RUN.json | DIR]`` (default: the newest ``*.json`` under
 ``.benchmarks/`` of the current directory, else of the repository root).
 
-Per scenario it prints the engine's and the spec's microseconds per sequence-step, the
-spec/engine ratio, and pass/miss against the scenario's targets, which the benchmark
-stored in ``extra_info``. The verdicts use the *fastest* round of each: the workload is
+Per allocator scenario it prints the engine's and the spec's microseconds per
+sequence-step, the spec/engine ratio, and pass/miss against the scenario's targets, which
+the benchmark stored in ``extra_info``; then the whole engine loop, and the end-to-end
+output tokens/s against transformers. The verdicts use the *fastest* round of each: the workload is
 deterministic, so on a machine shared with other jobs the minimum is the estimate least
 contaminated by them (the advice of ``timeit``). Medians are printed beside, and a verdict
 that the medians would reverse is flagged, so nothing is hidden by the choice.
@@ -90,6 +91,7 @@ def report(path: Path) -> str:
         if engine["seq_steps"] != spec["seq_steps"]:
             lines.append(f"{'':<23}  warning: engine and spec ran different amounts of work")
     lines += _scheduler_lines(run)
+    lines += _e2e_lines(run)
     lines += [
         "",
         "us/ss: microseconds per sequence-step (one sequence scheduled in one step), fastest "
@@ -122,6 +124,34 @@ def _scheduler_lines(run: dict[str, Any]) -> list[str]:
             f"{info['scenario']:<23}{e_min:>6.2f} ({e_med:5.2f})"
             f"{f'<={target:g}us {verdict}':>15}{info['preemptions']:>8}"
             f"{info['prefix_hit_rate']:>9.1%}"
+        )
+    return lines
+
+
+def _e2e_lines(run: dict[str, Any]) -> list[str]:
+    """The end-to-end CPU suite: output tokens/s of both sides and their ratio."""
+    sides = {
+        b["extra_info"].get("engine"): b["extra_info"]
+        for b in run.get("benchmarks", [])
+        if b.get("group") == "e2e-cpu" and "output_tokens_per_s" in b.get("extra_info", {})
+    }
+    ours = sides.get("paged_engine")
+    if ours is None:
+        return []
+    lines = ["", "end to end (CPU, tiny Qwen3)      tok/s (median)     ttft first/mean"]
+    for name, info in sides.items():
+        lines.append(
+            f"{name:<30}{info['output_tokens_per_s']:>10,.0f} "
+            f"({info['output_tokens_per_s_median']:>8,.0f})"
+            f"{info['ttft_first_s'] * 1e3:>10.0f} / {info['ttft_mean_s'] * 1e3:.0f} ms"
+        )
+    if "speedup_vs_transformers" in ours:
+        ratio, ratio_med = ours["speedup_vs_transformers"], ours["speedup_vs_transformers_median"]
+        target = ours["target_speedup"]
+        verdict = _verdict(ratio >= target, ratio_med >= target)
+        lines.append(
+            f"{'paged_engine / transformers':<30}{ratio:>9.2f}x ({ratio_med:.2f}x)"
+            f"   >={target:g}x {verdict}   backend {ours.get('attention_backend', '?')}"
         )
     return lines
 
