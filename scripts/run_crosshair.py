@@ -6,8 +6,9 @@ Two kinds of job, each one CrossHair process:
 
 * ``crosshair check --analysis_kind=PEP316 --report_all --per_condition_timeout=T TARGET...``
   over the spec's contracts: ``spec.indexing`` (block counts, R7, slot mapping),
-  ``simple_block_hash``, and the bounded allocator scenarios of ``spec.crosshair_targets``
-  (``BlockManager``'s method contracts and R3-R12, restated over short scripted traffic).
+  ``spec.hashing.simple_block_hash``, and the bounded allocator scenarios of
+  ``spec.crosshair_targets`` (``BlockManager``'s method contracts and R3-R12, restated
+  over short scripted traffic).
 * ``crosshair diffbehavior --per_condition_timeout=T ENGINE SPEC`` for each index helper,
   through the domain guards of ``spec.diff_targets`` (diffbehavior ignores ``pre:``).
 
@@ -118,7 +119,7 @@ def default_jobs(scale: float = 1.0, thorough: bool = False) -> list[CheckJob | 
         CheckJob("scenario prefill_then_decode", (f"{_CT}.prefill_then_decode",), 30 * scale),
         CheckJob(
             "index helpers",
-            ("spec.indexing", "spec.block_manager.simple_block_hash"),
+            ("spec.indexing", "spec.hashing.simple_block_hash"),
             5 * scale,
             must_confirm=(
                 "spec.indexing.num_blocks",
