@@ -16,8 +16,13 @@
  * processed together, so each K/V row is loaded once for all of them.
  *
  * Built with -ffast-math (vectorised dot products and expf) but linked without it, so the
- * process's floating-point mode (denormals) is left alone; the code never forms inf or NaN
- * itself (the running max starts at -FLT_MAX) and reads no slot outside a context.
+ * process's floating-point mode (denormals) is left alone. The running max starts at
+ * -FLT_MAX rather than -inf (fast-math assumes finite values); the first rescale factor may
+ * still underflow to 0 or, for scores beyond ~1e31, be exp(-inf) = 0, which multiplies an
+ * accumulator that is still 0 either way. No slot outside a context is read.
+ *
+ * The arguments (lengths, tables) are validated, then read again with the GIL released:
+ * callers must not change them from another thread during the call.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,7 +34,9 @@
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define CHUNK 32 /* tokens scored before each online-softmax update */
+/* Tokens scored before each online-softmax update: at most this many, and never past the
+ * end of a block (so with small blocks the accumulator is rescaled once per block). */
+#define CHUNK 32
 
 /* Deliberate bugs for the mutation tests (tests/kernel_mutants.py); 0 in production. */
 enum { MUTANT_BLOCK_WALK_FLOOR = 1, MUTANT_GQA_INTERLEAVED = 2 };
@@ -135,7 +142,7 @@ DEFINE_DECODE(decode_any, a->head_dim)
 static int first_bad_sequence(const Args *a, int *bad_block) {
     for (int b = 0; b < a->batch; b++) {
         const int len = a->lens[b];
-        const int blocks = (len + a->block_size - 1) / a->block_size;
+        const int64_t blocks = ((int64_t)len + a->block_size - 1) / a->block_size;
         *bad_block = -1;
         if (len < 0 || blocks > a->table_width) return b;
         for (int j = 0; j < blocks; j++) {

@@ -1,11 +1,18 @@
 """Deliberately broken attention kernels, each named after the bug it plants.
 
-Each mutant is the real launcher with one of the real kernel's ``MUTANT_*`` constexpr flags
-switched on (the flags default to the correct behaviour), so there is no second copy of a
-kernel to drift from the first. tests/test_kernels.py requires every mutant to disagree with
-its ``*_ref`` on some layout: proof that the layouts the tests draw can catch that class of
-bug, e.g. that they include sequence lengths that are not multiples of the block size and
-GQA ratios above 1 with several KV heads.
+Each mutant is the real code with one bug switched on, so there is no second copy of a
+kernel to drift from the first:
+
+* Triton kernels: one of the kernel's ``MUTANT_*`` constexpr flags (they default to the
+  correct behaviour). tests/test_kernels.py requires every mutant to disagree with its
+  ``*_ref`` on some layout: proof that the layouts the tests draw can catch that class of
+  bug, e.g. that they include sequence lengths that are not multiples of the block size
+  and GQA ratios above 1 with several KV heads;
+* the compiled CPU decode kernel: a bit of its ``kernel_flags`` (tests/test_cpu_kernel.py
+  holds them to the same standard);
+* cascade decode attention: a rewrite of the step's ``CascadePlan``.
+
+tests/test_attention_machine.py shows the oracle machine catching each of them.
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 
 tests/attention_machine.py describes the machine and its checks. Here it runs:
 
-* on CPU: the torch backend (the production CPU path) in float32 and float16, and the Triton
-  backend under ``TRITON_INTERPRET=1`` in float32 and float16 (the interpreter's bfloat16
-  arithmetic is broken), at small shapes (1-2 KV heads, GQA groups of 2-3, head dim 16,
-  block sizes 4/8/16, pools of 3-16 blocks, sequences up to 64 tokens);
-* against the kernel mutants: each must make the machine fail;
+* on CPU: the "cpu" backend (the compiled decode kernel, float32: the production CPU path),
+  the torch backend in float32 and float16, with and without shared-prefix cascades, and
+  the Triton backend under ``TRITON_INTERPRET=1`` in float32 and float16 (the interpreter's
+  bfloat16 arithmetic is broken), at small shapes (1-2 KV heads, GQA groups of 2-3, head
+  dim 16, block sizes 4/8/16, pools of 3-16 blocks, sequences up to 64 tokens);
+* against the Triton kernel, CPU kernel and cascade-plan mutants: each must make the
+  machine fail;
 * under the ``gpu`` marker on CUDA: compiled Triton (block sizes 16 and 256) and flash-attn
   (block size 256), float16 and bfloat16, at Qwen3-0.6B's head shapes (16 query heads, 8 KV
   heads, head dim 128), prompts up to ~2,000 tokens, contexts up to 4,096. Tolerances are

@@ -117,6 +117,9 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("block past the pool", lambda a: _set_table(a, 1, 0, 10**6), "sequence 1 reads block table"),
     ("negative block", lambda a: _set_table(a, 0, 0, -1), "sequence 0 reads block table entry 0"),
     ("length past the table", lambda a: a["seq_lens"].__setitem__(1, 10**4), "beyond its block"),
+    # the block count of a length near 2**31 must not overflow into a passing check
+    ("length 2**31 - 1", lambda a: a["seq_lens"].__setitem__(1, 2**31 - 1), "beyond its block"),
+    ("negated view", lambda a: a.update(query=a["query"]._neg_view()), "negated"),
     ("table strided", lambda a: a.update(block_tables=a["block_tables"][:, ::2]), "contiguous"),
     ("query dtype", lambda a: a.update(query=a["query"].double()), "query dtype"),
     ("seq_lens int64", lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens must be"),
@@ -188,6 +191,18 @@ def test_backend_agrees_with_the_torch_backend(seq_lens: list[int], query_lens: 
     want = torch_backend.attend(q, q, q, t.k_cache, t.v_cache, meta, t.scale)
     assert_close(got, want)
     assert len(calls) == (1 if max(query_lens) == 1 else 0)  # only decode takes the kernel
+
+
+def test_head_dims_the_kernel_refuses_go_to_the_torch_path() -> None:
+    # head_dim 8: below what the launchers accept, so decode falls back, it does not fail
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(6, 4, 1, 8, generator=gen)
+    v_cache = torch.randn(6, 4, 1, 8, generator=gen)
+    meta = make_attention_metadata([1, 1], [7, 3], [[4, 1], [0]], 4)
+    q = torch.randn(2, 2, 8, generator=gen)
+    cpu = CpuAttentionBackend(4, torch.float32)
+    want = TorchAttentionBackend(4, torch.float32).attend(q, q, q, k_cache, v_cache, meta, 0.3)
+    assert_close(cpu.attend(q, q, q, k_cache, v_cache, meta, 0.3), want)
 
 
 def test_auto_picks_the_kernel_for_float32_on_cpu_and_torch_otherwise() -> None:

@@ -25,6 +25,8 @@ def check_kv_caches(what: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
         raise ValueError(
             f"{what}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
         )
+    if k_cache.shape[2] < 1:
+        raise ValueError(f"{what}: the caches have no KV heads, shape {tuple(k_cache.shape)}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"{what}: v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):

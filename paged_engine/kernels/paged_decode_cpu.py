@@ -18,11 +18,18 @@ import torch
 
 from paged_engine.kernels.checks import check_int_vector, check_query_and_tables
 
-__all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "cpu_kernels_problem", "paged_decode_attention_cpu"]
+__all__ = [
+    "MAX_GROUP",
+    "MAX_HEAD_DIM",
+    "MIN_HEAD_DIM",
+    "cpu_kernels_problem",
+    "paged_decode_attention_cpu",
+]
 
 MAX_GROUP = 16
 """Most query heads per KV head the kernel takes (its per-head state lives on the stack)."""
-MAX_HEAD_DIM = 256
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+"""The head dims the launchers' shared checks accept (``checks.check_query_and_tables``)."""
 
 
 def _load() -> tuple[ModuleType | None, str | None]:
@@ -81,9 +88,12 @@ def paged_decode_attention_cpu(
     tensors = (query, k_cache, v_cache, block_tables, seq_lens, out)
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError(f"{what}: every tensor must be on the CPU")
+    if any(t.is_neg() or t.is_conj() for t in tensors):
+        # Lazy negation/conjugation views: the kernel would read the raw, unnegated data.
+        raise ValueError(f"{what}: resolve negated or conjugated views first (.resolve_neg())")
     if query.dtype != torch.float32:
         raise ValueError(f"{what}: only float32 is supported, got {query.dtype}")
-    if num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+    if num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:  # min: checked above
         raise ValueError(
             f"{what}: at most {MAX_GROUP} query heads per KV head and head_dim <= "
             f"{MAX_HEAD_DIM}, got {num_heads // num_kv_heads} and {head_dim}"

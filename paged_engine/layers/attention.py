@@ -224,7 +224,8 @@ class _DecodePlan:
 class TorchAttentionBackend:
     """Paged attention in plain torch: gathers each context through its block table.
 
-    Correct on any device and the CPU path. A decode step (one new token per sequence) is
+    Correct on any device; on CPU the reference path (the "cpu" backend replaces its
+    float32 decode with a compiled kernel). A decode step (one new token per sequence) is
     one batched SDPA call per layer over every context, gathered through the block tables
     (slot indices and mask built once per step and shared by every layer); when sequences
     of the batch share prefix blocks, it is cascade attention instead (``layers.cascade``):
@@ -353,7 +354,14 @@ class TorchAttentionBackend:
                 self.shared_prefix_min_tokens,
             )
         if groups:
-            plan = make_plan(groups, meta.block_tables, meta.seq_lens_cpu, block_size, num_kv_heads)
+            plan = make_plan(
+                groups,
+                meta.block_tables,
+                meta.block_tables_cpu,
+                meta.seq_lens_cpu,
+                block_size,
+                num_kv_heads,
+            )
         else:
             plan = self._plain_plan(meta, block_size, dtype)
         self._decode_memo = (meta, key, plan)

@@ -13,6 +13,7 @@ import torch
 from paged_engine.kernels.paged_decode_cpu import (
     MAX_GROUP,
     MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
     cpu_kernels_problem,
     paged_decode_attention_cpu,
 )
@@ -64,7 +65,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and k_cache.numel() != 0
             and query.dtype == k_cache.dtype == torch.float32
             and num_heads // k_cache.shape[2] <= MAX_GROUP
-            and head_dim <= MAX_HEAD_DIM
+            and MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM
         ):
             return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return super().attend(query, key, value, k_cache, v_cache, meta, scale)

@@ -21,9 +21,9 @@ instead of 3. That pays when the gather it saves is large, so a group is used on
 saves at least ``min_saved_tokens`` gathered positions (see ``find_shared_prefixes``).
 
 Grouping is deliberately simple: sequences are grouped by their first block, and a group
-shares the longest block-table prefix common to all its members. Two different prefixes
-that happen to start with the same block (possible only when one prompt extends another's
-first block) therefore share just their common part; a trie would split them better.
+shares the longest block-table prefix common to all its members. Prompts that agree on
+their first block but diverge later (the same instructions, then different few-shot
+examples) therefore share just their common part; a trie would split them better.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class CascadePlan:
 def make_plan(
     groups: tuple[SharedPrefix, ...],
     block_tables: torch.Tensor,
+    host_tables: Sequence[Sequence[int]],
     seq_lens: Sequence[int],
     block_size: int,
     num_kv_heads: int,
@@ -127,7 +128,12 @@ def make_plan(
     that on arrays this small), then moved to ``block_tables``' device once.
     """
     device = block_tables.device
-    tables = block_tables.cpu().numpy().astype(np.int64)  # rows padded with -1
+    if device.type == "cpu":
+        tables = block_tables.numpy().astype(np.int64)  # rows padded with -1
+    else:  # from the host copy: no device sync
+        tables = np.full((len(seq_lens), max(map(len, host_tables))), -1, dtype=np.int64)
+        for row, table in zip(tables, host_tables, strict=True):
+            row[: len(table)] = table
     heads = np.arange(num_kv_heads)[:, None]
     skip = np.zeros(len(seq_lens), dtype=np.int64)  # shared-prefix tokens of each sequence
     for g in groups:
@@ -177,8 +183,8 @@ def make_plan(
 
 
 def _additive(valid: np.ndarray, num_kv_heads: int) -> torch.Tensor:
-    """``[N, L]`` bool -> ``[N * kvh, 1, L]`` float32 0 / -inf (cast to the query dtype
-    where it is used)."""
+    """``[N, L]`` bool -> ``[N * kvh, 1, L]`` float32 0 / -inf (the fused kernel takes a
+    float32 mask with any query dtype; the fallback computes in float32)."""
     mask = np.where(valid, np.float32(0), np.float32("-inf"))
     return torch.from_numpy(np.repeat(mask, num_kv_heads, axis=0)[:, None, :])
 
@@ -197,11 +203,14 @@ def _partial(
     if _FUSED is not None and q.device.type == "cpu":
         out, lse = _FUSED(q[None], k[None], v[None], 0.0, False, attn_mask=mask[None], scale=scale)
         return out[0], lse[0].float().unsqueeze(-1)
-    scores = torch.baddbmm(mask.to(q.dtype), q, k.transpose(1, 2), alpha=scale)
+    # In float32, like the fused kernel's accumulators: half-precision scores, exp and sums
+    # would be several times less accurate than the plain path this replaces.
+    qf, kf, vf = q.float(), k.float(), v.float()
+    scores = torch.baddbmm(mask.float(), qf, kf.transpose(1, 2), alpha=scale)
     top = scores.amax(dim=-1, keepdim=True)  # finite: every row has a real position
     weights = scores.sub_(top).exp_()  # the one exp pass (logsumexp would add another)
     total = weights.sum(dim=-1, keepdim=True)
-    return torch.bmm(weights, v).div_(total), total.log_().add_(top).float()
+    return torch.bmm(weights, vf).div_(total).to(q.dtype), total.log_().add_(top)
 
 
 def cascade_decode(
@@ -239,14 +248,15 @@ def cascade_decode(
 
     # Back to one row per member: [G * kvh, m * group, x] -> [G * m, kvh, group, x].
     def per_member(t: torch.Tensor) -> torch.Tensor:
-        t = t.view(num_groups, kvh, m, group, -1).transpose(1, 2)
+        t = t.reshape(num_groups, kvh, m, group, -1).transpose(1, 2)
         return t.reshape(num_groups * m, kvh, group, -1).index_select(0, plan.member_slots)
 
     out_p, lse_p = per_member(out_p), per_member(lse_p)
-    out = out.view(num_seqs, kvh, group, d)
-    lse = lse.view(num_seqs, kvh, group, 1)
+    # reshape, not view: the fused kernel's output layout is its own business.
+    out = out.reshape(num_seqs, kvh, group, d)
+    lse = lse.reshape(num_seqs, kvh, group, 1)
     out_s, lse_s = out.index_select(0, plan.member_rows), lse.index_select(0, plan.member_rows)
     total = torch.logaddexp(lse_p, lse_s)
     merged = out_p * torch.exp(lse_p - total) + out_s * torch.exp(lse_s - total)
     out.index_copy_(0, plan.member_rows, merged.to(out.dtype))
-    return out.view(num_seqs, num_heads, d)
+    return out.reshape(num_seqs, num_heads, d)
