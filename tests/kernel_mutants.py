@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from paged_engine.kernels.paged_decode_attention import _paged_decode_attention
+from paged_engine.kernels.paged_decode_attention import paged_decode_attention
 from paged_engine.kernels.paged_decode_cpu import paged_decode_attention_cpu
-from paged_engine.kernels.paged_prefill_attention import _paged_prefill_attention
+from paged_engine.kernels.paged_prefill_attention import paged_prefill_attention
 from paged_engine.layers.attention import TorchAttentionBackend
 from paged_engine.layers.attention_cpu import CpuAttentionBackend
 from paged_engine.layers.cascade import CascadePlan
 
-_LAUNCHERS = {"decode": _paged_decode_attention, "prefill": _paged_prefill_attention}
+_LAUNCHERS = {"decode": paged_decode_attention, "prefill": paged_prefill_attention}
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ def _default_block_n(dtype: torch.dtype, head_dim: int) -> int:
     return 64 if triton.next_power_of_2(head_dim) <= 128 else 32
 
 
-def _paged_decode_attention(
+def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -310,7 +310,23 @@ def _paged_decode_attention(
     block_n: int | None = None,
     kernel_flags: Mapping[str, bool] | None = None,
 ) -> torch.Tensor:
-    """The launcher proper; ``kernel_flags`` switch on the deliberate bugs (tests only)."""
+    """Attention of one new token per sequence over its paged context; returns ``[B, H, D]``.
+
+    ``query`` ``[B, H, D]`` (last dim contiguous), caches as written by ``store_kv``,
+    ``block_tables`` ``[B, max_blocks]`` int32 padded with -1, ``seq_lens`` ``[B]`` int32
+    (context length including the new token, already stored). Query head ``h`` reads KV head
+    ``h // (H // KVH)``. A zero-length context yields zeros. ``head_dim`` may be any value in
+    [16, 256]; the cache block size may be any positive integer.
+
+    Keyword-only tuning knobs: ``max_seq_len`` (a host-known bound on ``seq_lens`` that
+    shortens the split plan; default: the block table's capacity, which is what CUDA-graph
+    capture needs), ``num_splits`` (override the split-K heuristic) and ``block_n`` (tokens
+    per K/V tile, a power of two >= 16). ``seq_lens`` must not exceed ``max_seq_len``: the
+    split plan covers only that many tokens. Block ids and lengths are not checked on the
+    device (a sync per step); a -1 entry inside a context is undefined behaviour.
+
+    ``kernel_flags`` switches on deliberate bugs (tests/kernel_mutants.py); leave it unset.
+    """
     batch, num_heads, num_kv_heads, head_dim, block_size = _check_decode_args(
         query, k_cache, v_cache, block_tables, seq_lens, out
     )
@@ -394,48 +410,6 @@ def _paged_decode_attention(
             num_warps=4,
         )
     return out
-
-
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """Attention of one new token per sequence over its paged context; returns ``[B, H, D]``.
-
-    ``query`` ``[B, H, D]`` (last dim contiguous), caches as written by ``store_kv``,
-    ``block_tables`` ``[B, max_blocks]`` int32 padded with -1, ``seq_lens`` ``[B]`` int32
-    (context length including the new token, already stored). Query head ``h`` reads KV head
-    ``h // (H // KVH)``. A zero-length context yields zeros. ``head_dim`` may be any value in
-    [16, 256]; the cache block size may be any positive integer.
-
-    Keyword-only tuning knobs: ``max_seq_len`` (a host-known bound on ``seq_lens`` that
-    shortens the split plan; default: the block table's capacity, which is what CUDA-graph
-    capture needs), ``num_splits`` (override the split-K heuristic) and ``block_n`` (tokens
-    per K/V tile, a power of two >= 16). ``seq_lens`` must not exceed ``max_seq_len``: the
-    split plan covers only that many tokens. Block ids and lengths are not checked on the
-    device (a sync per step); a -1 entry inside a context is undefined behaviour.
-    """
-    return _paged_decode_attention(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        scale,
-        out,
-        max_seq_len=max_seq_len,
-        num_splits=num_splits,
-        block_n=block_n,
-    )
 
 
 def is_interpreted() -> bool:

@@ -226,7 +226,7 @@ def _default_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     return 64, 32, 4
 
 
-def _paged_prefill_attention(
+def paged_prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -241,7 +241,22 @@ def _paged_prefill_attention(
     block_n: int | None = None,
     kernel_flags: Mapping[str, bool] | None = None,
 ) -> torch.Tensor:
-    """The launcher proper; ``kernel_flags`` switch on the deliberate bugs (tests only)."""
+    """Causal attention of each sequence's new tokens over its paged context; ``[N, H, D]``.
+
+    ``query`` ``[N, H, D]`` packs the batch's new tokens (sequence ``i`` owns rows
+    ``query_start_loc[i]:query_start_loc[i + 1]``); they are the last ``q_len_i`` tokens of a
+    ``seq_lens[i]``-token context already stored in the cache. ``block_tables`` ``[B,
+    max_blocks]`` int32 padded with -1; ``query_start_loc`` ``[B + 1]`` and ``seq_lens``
+    ``[B]`` int32; ``max_query_len`` a host-side bound on ``q_len`` that sizes the grid (tokens
+    beyond it are not computed). Query head ``h`` reads KV head ``h // (H // KVH)``.
+
+    Keyword-only tuning knobs: ``block_m`` (new tokens per tile; the tile has ``block_m *
+    next_pow2(H // KVH)`` rows, which must be >= 16) and ``block_n`` (keys per tile, a power of
+    two >= 16). Lengths and block ids are not checked on the device (a sync per step):
+    ``q_len > seq_len`` or -1 entries inside a context are undefined behaviour.
+
+    ``kernel_flags`` switches on deliberate bugs (tests/kernel_mutants.py); leave it unset.
+    """
     what = "paged_prefill_attention"
     batch, num_heads, num_kv_heads, head_dim, block_size = _check_prefill_args(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, out
@@ -296,46 +311,3 @@ def _paged_prefill_attention(
         **(kernel_flags or {}),
     )
     return out
-
-
-def paged_prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    block_m: int | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged context; ``[N, H, D]``.
-
-    ``query`` ``[N, H, D]`` packs the batch's new tokens (sequence ``i`` owns rows
-    ``query_start_loc[i]:query_start_loc[i + 1]``); they are the last ``q_len_i`` tokens of a
-    ``seq_lens[i]``-token context already stored in the cache. ``block_tables`` ``[B,
-    max_blocks]`` int32 padded with -1; ``query_start_loc`` ``[B + 1]`` and ``seq_lens``
-    ``[B]`` int32; ``max_query_len`` a host-side bound on ``q_len`` that sizes the grid (tokens
-    beyond it are not computed). Query head ``h`` reads KV head ``h // (H // KVH)``.
-
-    Keyword-only tuning knobs: ``block_m`` (new tokens per tile; the tile has ``block_m *
-    next_pow2(H // KVH)`` rows, which must be >= 16) and ``block_n`` (keys per tile, a power of
-    two >= 16). Lengths and block ids are not checked on the device (a sync per step):
-    ``q_len > seq_len`` or -1 entries inside a context are undefined behaviour.
-    """
-    return _paged_prefill_attention(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        max_query_len,
-        scale,
-        out,
-        block_m=block_m,
-        block_n=block_n,
-    )
