@@ -12,7 +12,8 @@ rounds; also medians and process CPU time), against ``TARGET_SPEEDUP``; run both
 * **paged_engine**: all 64 requests to one ``LLM.generate`` call (default scheduling
   limits, prefix caching on, the default attention backend: "auto", i.e. the compiled CPU
   decode kernel when built, recorded as ``attention_backend``), each with its own
-  ``max_tokens``. A fresh ``LLM`` per round
+  ``max_tokens``; and again on the torch backend (``paged_engine[torch]``), the reference
+  path with shared-prefix cascades, for comparison. A fresh ``LLM`` per round
   (built outside the timed region), so no round is served from an earlier round's prefix
   cache. The KV pool is sized to hold every request at full length with no prefix sharing,
   so nothing is preempted.
@@ -369,14 +370,22 @@ def run_paged_engine(llm: LLM, workload: list[Request]) -> dict:
 
 
 @pytest.mark.benchmark(group="e2e-cpu")
-def test_e2e_paged_engine(benchmark: Any, model_dir: Path, workload: list[Request]) -> None:
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_e2e_paged_engine(
+    benchmark: Any, model_dir: Path, workload: list[Request], backend: str
+) -> None:
     pool = _pool_blocks(workload)
     runs: list[dict] = []
     rss: list[PeakRSS] = []
     llms: list[LLM] = []
 
     def setup() -> tuple[tuple[LLM], dict[str, Any]]:
-        llm = LLM(model_dir, num_kvcache_blocks=pool, kvcache_block_size=BLOCK_SIZE)
+        llm = LLM(
+            model_dir,
+            num_kvcache_blocks=pool,
+            kvcache_block_size=BLOCK_SIZE,
+            attention_backend=backend,
+        )
         llms[:] = [llm]
         return (llm,), {}
 
@@ -397,7 +406,7 @@ def test_e2e_paged_engine(benchmark: Any, model_dir: Path, workload: list[Reques
     useful = sum(r.max_tokens for r in workload)
     runner = llms[-1].model_runner
     info = {
-        "engine": "paged_engine",
+        "engine": "paged_engine" if backend == "auto" else f"paged_engine[{backend}]",
         "threads": torch.get_num_threads(),
         **workload_summary(workload),
         **_summary(runs, useful),
