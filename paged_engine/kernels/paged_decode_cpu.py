@@ -23,6 +23,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "MIN_HEAD_DIM",
     "cpu_kernels_problem",
+    "geometry_problem",
     "paged_decode_attention_cpu",
 ]
 
@@ -48,6 +49,22 @@ _MODULE, _PROBLEM = _load()
 def cpu_kernels_problem() -> str | None:
     """Why the compiled CPU kernels cannot be used, or None when they can."""
     return _PROBLEM
+
+
+def geometry_problem(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> str | None:
+    """Why the kernel cannot take this head layout and dtype, or None when it can: the
+    launcher raises it, the "cpu" backend routes such steps to torch instead."""
+    if dtype != torch.float32:
+        return f"only float32 is supported, got {dtype}"
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    if num_heads // num_kv_heads > MAX_GROUP:
+        return f"at most {MAX_GROUP} query heads per KV head, got {num_heads // num_kv_heads}"
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}"
+    return None
 
 
 def paged_decode_attention_cpu(
@@ -91,13 +108,9 @@ def paged_decode_attention_cpu(
     if any(t.is_neg() or t.is_conj() for t in tensors):
         # Lazy negation/conjugation views: the kernel would read the raw, unnegated data.
         raise ValueError(f"{what}: resolve negated or conjugated views first (.resolve_neg())")
-    if query.dtype != torch.float32:
-        raise ValueError(f"{what}: only float32 is supported, got {query.dtype}")
-    if num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:  # min: checked above
-        raise ValueError(
-            f"{what}: at most {MAX_GROUP} query heads per KV head and head_dim <= "
-            f"{MAX_HEAD_DIM}, got {num_heads // num_kv_heads} and {head_dim}"
-        )
+    problem = geometry_problem(num_heads, num_kv_heads, head_dim, query.dtype)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}")
     if batch == 0:
         return out
     _MODULE.paged_decode_f32(

@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 
 from paged_engine.kernels.paged_decode_cpu import (
-    MAX_GROUP,
-    MAX_HEAD_DIM,
-    MIN_HEAD_DIM,
     cpu_kernels_problem,
+    geometry_problem,
     paged_decode_attention_cpu,
 )
 from paged_engine.layers.attention import AttentionMetadata, TorchAttentionBackend
@@ -59,13 +57,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         """Decode on the kernel when it can take the step; otherwise the torch backend."""
-        num_heads, head_dim = query.shape[1], query.shape[2]
         if (
             meta.max_query_len == 1
             and k_cache.numel() != 0
-            and query.dtype == k_cache.dtype == torch.float32
-            and num_heads // k_cache.shape[2] <= MAX_GROUP
-            and MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM
+            and query.dtype == k_cache.dtype
+            and geometry_problem(query.shape[1], k_cache.shape[2], query.shape[2], query.dtype)
+            is None
         ):
             return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return super().attend(query, key, value, k_cache, v_cache, meta, scale)
