@@ -9,6 +9,8 @@ from typing import Literal
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton", "flash-attn")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+PrefixCacheHash = Literal["xxh64", "sha256"]
+PREFIX_CACHE_HASHES: tuple[str, ...] = ("xxh64", "sha256")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -31,6 +33,10 @@ class EngineConfig:
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None
     enable_prefix_caching: bool = True
+    prefix_cache_hash: PrefixCacheHash = "xxh64"
+    """The prefix cache's block hash (R4): "xxh64" is the seed's formula and the fastest;
+    "sha256" keys the cache by full 256-bit digests, so a crafted collision (one block
+    served in place of another, see R10) is out of reach."""
     # model path
     attention_backend: AttentionBackendName = "auto"
     dtype: str = "auto"
@@ -53,6 +59,11 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        if self.prefix_cache_hash not in PREFIX_CACHE_HASHES:
+            raise ValueError(
+                f"prefix_cache_hash must be one of {PREFIX_CACHE_HASHES}, "
+                f"got {self.prefix_cache_hash!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

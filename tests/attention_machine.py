@@ -48,7 +48,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from xxhash import xxh64_intdigest
 
 from paged_engine.engine.block_manager import BlockManager
-from paged_engine.engine.model_runner import ModelRunner
+from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.engine.sequence import Sequence, SequenceStatus
 from paged_engine.layers.attention import AttentionBackend, AttentionMetadata, naive_attention
 

@@ -52,7 +52,7 @@ class MaxTokensOffByOne(Scheduler):
     def _stops(self, seq: Sequence, token: int) -> bool:
         params = seq.sampling_params
         return (
-            (not params.ignore_eos and token == self.eos_token_id)
+            (not params.ignore_eos and token in self.eos_token_ids)
             or token in params.stop_token_ids
             or seq.num_completion_tokens > params.max_tokens
             or seq.num_tokens >= self.max_model_len

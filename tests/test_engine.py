@@ -34,7 +34,7 @@ def expected(prompt: list[int], params: SamplingParams, engine: LLMEngine) -> li
         prompt,
         params,
         vocab_size=VOCAB,
-        eos_token_id=engine.eos_token_id,
+        eos_token_id=engine.eos_token_ids[0] if engine.eos_token_ids else None,
         max_model_len=engine.config.max_model_len,
     )
     return tokens
@@ -79,7 +79,7 @@ def test_stop_reasons() -> None:
         use_tqdm=False,
     )[0]
     assert list(out.token_ids) == free[: free.index(stop) + 1] and out.finish_reason == "stop"
-    engine.eos_token_id = engine.scheduler.eos_token_id = free[1]
+    engine.scheduler.eos_token_ids = frozenset({free[1]})
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert list(out.token_ids) == free[: free.index(free[1]) + 1] and out.finish_reason == "stop"
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import paged_engine.engine.model_runner as model_runner
+import paged_engine.worker.model_runner as model_runner
 from paged_engine import LLM, SamplingParams
 from paged_engine.__main__ import main as cli
 

@@ -12,6 +12,7 @@ engine exactly as it was, and everything else keeps being served.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from numbers import Integral
@@ -89,12 +90,14 @@ class LLMEngine:
         *,
         vocab_size: int,
         num_kvcache_blocks: int | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         tokenizer: Tokenizer | None = None,
         block_manager: Allocator | None = None,
         scheduler_cls: type[Scheduler] = Scheduler,
     ) -> None:
-        """``num_kvcache_blocks`` is the pool the runner allocated (default: the config's);
+        """``eos_token_id`` is one id or several (a model whose generation config lists
+        several stops at each); ``num_kvcache_blocks`` is the pool the runner allocated
+        (default: the config's);
         ``block_manager`` replaces the engine's allocator (tests run the spec in the loop),
         ``scheduler_cls`` the scheduler (tests run deliberately broken ones)."""
         pool = num_kvcache_blocks or config.num_kvcache_blocks
@@ -105,7 +108,16 @@ class LLMEngine:
         self.config = config
         self.model_runner = model_runner
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        if eos_token_id is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos_token_id, int):
+            eos_ids = (eos_token_id,)
+        else:
+            eos_ids = tuple(eos_token_id)
+        for e in eos_ids:
+            if not isinstance(e, int) or isinstance(e, bool) or e < 0:
+                raise ValueError(f"eos_token_id must hold ints >= 0, got {eos_token_id!r}")
+        self.eos_token_ids = eos_ids
         self.tokenizer = tokenizer
         self.num_blocks = pool
         self.block_manager = block_manager or BlockManager(
@@ -117,7 +129,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
-            eos_token_id=eos_token_id,
+            eos_token_ids=eos_ids,
             prefix_aware=config.enable_prefix_caching,
         )
         self._requests: dict[int, Sequence] = {}

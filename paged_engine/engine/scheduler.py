@@ -35,11 +35,21 @@ look-ups, not hashing.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Protocol
 
 from paged_engine.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class FailedSample:
+    """What a model runner returns, in place of a token, for a sequence it could not
+    sample (its logits were not finite): the request finishes with ``finish_reason
+    "error"`` and ``reason`` as its ``stop_reason``, and the rest of the batch goes on."""
+
+    reason: str
 
 
 class Allocator(Protocol):
@@ -82,10 +92,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        eos_token_id: int | None = None,
+        eos_token_ids: Iterable[int] = (),
         prefix_aware: bool = True,
     ) -> None:
-        """``prefix_aware``: defer a request whose next block an earlier request computes in
+        """``eos_token_ids``: every id that ends a request (unless it ignores EOS);
+        ``prefix_aware``: defer a request whose next block an earlier request computes in
         the same step (see the module docstring); pass False without prefix caching."""
         self.block_manager = block_manager
         self.prefix_aware = prefix_aware
@@ -93,7 +104,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = SchedulerStats()
@@ -238,7 +249,7 @@ class Scheduler:
     def _stops(self, seq: Sequence, token: int) -> bool:
         params = seq.sampling_params
         return (
-            (not params.ignore_eos and token == self.eos_token_id)
+            (not params.ignore_eos and token in self.eos_token_ids)
             or token in params.stop_token_ids
             or seq.num_completion_tokens >= params.max_tokens
             or seq.num_tokens >= self.max_model_len
@@ -248,7 +259,7 @@ class Scheduler:
         """ "stop" for EOS or a stop token, "length" for max_tokens or max_model_len."""
         last = seq.last_token
         params = seq.sampling_params
-        if (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return "stop"
         return "length"
 

@@ -1,9 +1,9 @@
 """The model runner: turns a scheduled batch into tensors, runs the model over the paged
 KV cache, samples.
 
-This is the one module under ``engine/`` that imports torch (the layout in DESIGN.md puts
-it here because it owns the KV cache the allocator hands out); nothing torch-free imports
-it. Everything else it needs from the engine is index arithmetic: the slots of a token
+It lives in ``worker/``, beside the KV cache it owns, so that ``engine/`` stays torch-free
+(a test imports every ``engine/`` module in a fresh interpreter and checks). What it needs
+from the engine is the ``Sequence`` record and index arithmetic: the slots of a token
 range through a block table come from ``engine.indexing.slot_mapping`` (through
 ``make_attention_metadata``), the helper that CrossHair checks against its spec twin.
 
