@@ -15,8 +15,8 @@ from paged_engine.engine.llm_engine import (
     RunStats,
     Tokenizer,
 )
-from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.utils.loader import load_tokenizer
+from paged_engine.worker.model_runner import ModelRunner
 
 
 class LLM:

@@ -48,9 +48,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from xxhash import xxh64_intdigest
 
 from paged_engine.engine.block_manager import BlockManager
-from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.engine.sequence import Sequence, SequenceStatus
 from paged_engine.layers.attention import AttentionBackend, AttentionMetadata, naive_attention
+from paged_engine.worker.model_runner import ModelRunner
 
 BackendFactory = Callable[[int, torch.dtype], AttentionBackend]
 """``(block_size, dtype) -> backend``."""
