@@ -5,6 +5,12 @@ over the spec allocator ("spec in the loop"); they must schedule identically and
 identical block tables. Each uses the fake model of tests/fake_model.py, which really
 writes and reads its paged cache, so every finished request must equal what the model
 produces for it alone (chunking, prefix hits and preemption never change results).
+
+The fault rule makes a drawn step raise (an exception or KeyboardInterrupt) at a drawn
+point: in the model (before any cache write, after some of them, after all of them), in
+the allocator while the step's results are applied, or while an output is detokenised.
+Both engines must raise the same, stay consistent (the invariants below) and go on to
+produce the same outputs as if the fault had not happened.
 ``make_machine(scheduler_cls)`` lets the same machine hunt scheduler mutants.
 """
 
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -28,13 +35,18 @@ from paged_engine.engine.llm_engine import LLMEngine, RequestOutput
 from paged_engine.engine.scheduler import Scheduler
 from paged_engine.sampling_params import SamplingParams
 from spec.block_manager import BlockManager as SpecBlockManager
-from tests.fake_model import FakeModelRunner, reference_generate
+from tests.fake_model import FakeModelRunner, FakeTokenizer, Fault, reference_generate
 
 VOCAB = 5  # small, so generated continuations also repeat and share blocks
 
 
 def build_engine(
-    config: EngineConfig, spec: bool, scheduler_cls: type[Scheduler] = Scheduler, eos: int = 0
+    config: EngineConfig,
+    spec: bool,
+    scheduler_cls: type[Scheduler] = Scheduler,
+    eos: int = 0,
+    tokenizer: FakeTokenizer | None = None,
+    engine_cls: type[LLMEngine] = LLMEngine,
 ) -> LLMEngine:
     pool = config.num_kvcache_blocks
     assert pool is not None
@@ -46,14 +58,33 @@ def build_engine(
         )
     )
     runner = FakeModelRunner(pool, config.kvcache_block_size, VOCAB)
-    return LLMEngine(
+    return engine_cls(
         runner,
         config,
         vocab_size=VOCAB,
         eos_token_id=eos,
+        tokenizer=tokenizer,
         block_manager=bm,
         scheduler_cls=scheduler_cls,
     )
+
+
+def faulty_hash_blocks(bm: Any, fault: Fault) -> Any:
+    """``bm.hash_blocks`` with an opportunity for ``fault`` before each call."""
+    real = type(bm).hash_blocks
+
+    def hash_blocks(seq: Any) -> None:
+        fault.tick("hash_blocks")
+        real(bm, seq)
+
+    return hash_blocks
+
+
+def table_blocks_expected(seq: Any) -> int:
+    """Blocks a running sequence holds between steps: its whole prompt while prefilling
+    (allocate takes them all), every computed token's block while decoding (R7 adds the
+    newest token's block only when that token is scheduled)."""
+    return num_blocks(seq.num_tokens - (0 if seq.is_prefill else 1), seq.block_size)
 
 
 def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedStateMachine]:
@@ -85,7 +116,8 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                 num_kvcache_blocks=pool,
             )
             self.engines = [
-                build_engine(self.config, spec, scheduler_cls, eos) for spec in (False, True)
+                build_engine(self.config, spec, scheduler_cls, eos, FakeTokenizer())
+                for spec in (False, True)
             ]
             self.eos = eos
             self.prompts: list[list[int]] = []
@@ -131,11 +163,65 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                     return
                 self._step_both()
 
-        def _step_both(self) -> None:
-            outs = [e.step() for e in self.engines]
+        @precondition(lambda self: self.engine.has_unfinished_requests())
+        @rule(
+            where=st.sampled_from(["model", "hash_blocks", "decode"]),
+            at=st.one_of(st.integers(0, 2), st.integers(0, 12)),
+            error=st.sampled_from([RuntimeError, KeyboardInterrupt]),
+        )
+        def faulty_step(self, where: str, at: int, error: type[BaseException]) -> None:
+            faults = []
+            for e in self.engines:
+                if where == "model":
+                    fault = e.model_runner.fault  # type: ignore[attr-defined]
+                elif where == "decode":
+                    fault = e.tokenizer.fault  # type: ignore[union-attr]
+                else:
+                    fault = Fault()
+                    e.block_manager.hash_blocks = faulty_hash_blocks(e.block_manager, fault)  # type: ignore[method-assign]
+                fault.arm(at, error)
+                faults.append(fault)
+            try:
+                self._step_both(faults)
+                event(f"fault in {where}: {'raised' if faults[0].fired else 'not reached'}")
+            finally:
+                for e, fault in zip(self.engines, faults, strict=True):
+                    fault.disarm()
+                    vars(e.block_manager).pop("hash_blocks", None)
+
+        def _step_both(self, faults: list[Fault] | None = None) -> None:
+            outs: list[list[RequestOutput]] = []
+            raised: list[BaseException | None] = []
             runners = [e.model_runner for e in self.engines]
-            batches = [r.batches[-1] for r in runners]  # type: ignore[attr-defined]
+            calls = [r.calls for r in runners]  # type: ignore[attr-defined]
+            for i, e in enumerate(self.engines):
+                fired = faults[i].fired if faults else 0
+                try:
+                    outs.append(e.step())
+                    raised.append(None)
+                except (RuntimeError, KeyboardInterrupt) as exc:
+                    if not faults or faults[i].fired == fired:
+                        raise  # not the injected fault
+                    outs.append([])
+                    raised.append(exc)
+            assert [type(r) for r in raised] == [type(raised[0])] * 2, "only one engine failed"
+            ran = [r.calls - c for r, c in zip(runners, calls, strict=True)]  # type: ignore[attr-defined]
+            assert ran[0] == ran[1], "only one engine ran its model"
+            if ran[0]:
+                self._compare_batches([r.batches[-1] for r in runners])  # type: ignore[attr-defined]
+            assert [(self._a_id(o.request_id), o.token_ids) for o in outs[1]] == [
+                (o.request_id, o.token_ids) for o in outs[0]
+            ]
             by_index = {a: i for i, (a, _, _, _) in enumerate(self.live)}
+            for out in outs[0]:
+                self._check_output(out)
+                del self.live[by_index[out.request_id]]
+                by_index = {a: i for i, (a, _, _, _) in enumerate(self.live)}
+
+        def _a_id(self, b_id: int) -> int:
+            return next(a for a, b, _, _ in self.live if b == b_id)
+
+        def _compare_batches(self, batches: list[Any]) -> None:
             renamed = [(b, n) for b, n in batches[1][1]]
             id_b_to_a = {b: a for a, b, _, _ in self.live}
             assert batches[0][0] == batches[1][0]
@@ -144,18 +230,12 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             assert len(batch) <= self.config.max_num_seqs
             assert sum(n for _, n in batch) <= self.config.max_num_batched_tokens
             assert all(n >= 1 for _, n in batch)
-            assert [(id_b_to_a[o.request_id], o.token_ids) for o in outs[1]] == [
-                (o.request_id, o.token_ids) for o in outs[0]
-            ]
-            for out in outs[0]:
-                self._check_output(out)
-                del self.live[by_index[out.request_id]]
-                by_index = {a: i for i, (a, _, _, _) in enumerate(self.live)}
 
         def _check_output(self, out: RequestOutput) -> None:
             tokens, reason = self.expected.pop(out.request_id)
             assert list(out.token_ids) == tokens, (out, tokens)
             assert out.finish_reason == reason
+            assert out.text == "".join(f"<{t}>" for t in tokens)
 
         @precondition(lambda self: bool(self.live))
         @rule(data=st.data())
@@ -167,11 +247,21 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
 
         @invariant()
         def consistent(self) -> None:
-            for engine in self.engines:
+            for engine, live in zip(
+                self.engines, ([r[0] for r in self.live], [r[1] for r in self.live]), strict=True
+            ):
                 sched = engine.scheduler
                 waiting, running = list(sched.waiting), list(sched.running)
-                assert not {s.seq_id for s in waiting} & {s.seq_id for s in running}
-                assert all(not s.block_table for s in waiting)
+                queued = [s.seq_id for s in waiting + running + sched.finished]
+                # Every unfinished request sits in exactly one queue (so abort finds it).
+                assert sorted(queued) == sorted(live), (queued, live)
+                assert all(not s.block_table for s in waiting + sched.finished)
+                assert not sched._in_flight, "a step left sequences in flight"
+                for s in running:
+                    assert len(s.block_table) == table_blocks_expected(s), f"table of {s}"
+                    if not s.is_prefill:
+                        assert s.num_cached_tokens == s.num_tokens - 1, f"counters of {s}"
+                # R12 with the live tables: no block is held by a sequence in no queue.
                 engine.block_manager.check_invariants(running)  # type: ignore[attr-defined]
             tables = [[s.block_table for s in e.scheduler.running] for e in self.engines]
             assert tables[0] == tables[1], "spec and engine allocators diverged"
@@ -184,6 +274,9 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
         def teardown(self) -> None:
             if not hasattr(self, "engines"):
                 return
+            # Teardown runs after a failed check too: re-check first, so that the check's
+            # AssertionError is what surfaces, not an error from draining a broken engine.
+            self.consistent()
             guard = 0
             while self.engine.has_unfinished_requests():
                 self._step_both()

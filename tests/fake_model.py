@@ -43,6 +43,45 @@ def reference_generate(
             return out, "length"
 
 
+class Fault:
+    """Arms a fake to raise ``error`` at its ``at``-th opportunity (0 is the first)."""
+
+    def __init__(self) -> None:
+        self.at: int | None = None
+        self.error: type[BaseException] = RuntimeError
+        self.fired = 0
+
+    def arm(self, at: int, error: type[BaseException]) -> None:
+        self.at, self.error = at, error
+
+    def disarm(self) -> None:
+        self.at = None
+
+    def tick(self, where: str) -> None:
+        """One opportunity: raise if it is the armed one (then disarm)."""
+        if self.at is None:
+            return
+        if self.at == 0:
+            self.at = None
+            self.fired += 1
+            raise self.error(f"injected fault in {where}")
+        self.at -= 1
+
+
+class FakeTokenizer:
+    """Token ids to text (``"<3><1>"``), with a fault that can be armed in ``decode``."""
+
+    def __init__(self) -> None:
+        self.fault = Fault()
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.strip("<>").split("><")]
+
+    def decode(self, token_ids: SequenceABC[int], skip_special_tokens: bool = True) -> str:
+        self.fault.tick("decode")
+        return "".join(f"<{t}>" for t in token_ids)
+
+
 class FakeModelRunner:
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int) -> None:
         self.block_size = block_size
@@ -50,9 +89,18 @@ class FakeModelRunner:
         self.cache: list[int | None] = [None] * (num_blocks * block_size)
         self.batches: list[tuple[bool, list[tuple[int, int]]]] = []
         """Every step's (is_prefill, [(seq_id, num_scheduled_tokens)])."""
+        self.fault = Fault()
+        """Opportunities: before each cache write, and once after the step's last."""
+        self.calls = 0
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        self.calls += 1
         self.batches.append((is_prefill, [(s.seq_id, s.num_scheduled_tokens) for s in seqs]))
+        out = self._run(seqs)
+        self.fault.tick("the model, after its last write")
+        return out
+
+    def _run(self, seqs: list[Sequence]) -> list[int]:
         out = []
         for seq in seqs:
             start = seq.num_cached_tokens
@@ -61,6 +109,7 @@ class FakeModelRunner:
             bs = self.block_size
             slots = slot_mapping(seq.block_table, bs, start, end)
             for pos, slot in zip(range(start, end), slots, strict=True):
+                self.fault.tick("the model, mid-write")  # K/V partly written
                 self.cache[slot] = seq.token_ids[pos]
             context = [self.cache[s] for s in slot_mapping(seq.block_table, bs, 0, end)]
             assert None not in context, f"read a slot never written: {seq}"

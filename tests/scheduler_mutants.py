@@ -69,3 +69,17 @@ class DecodeWithoutGrowth(Scheduler):
             return super()._schedule_decode()
         finally:
             self.block_manager.may_append = may_append  # type: ignore[method-assign]
+
+
+class RecoverKeepsDecodeGrowth(Scheduler):
+    """After a failed step, decoding sequences are "restored" by putting them back in
+    running as they are: the block ``may_append`` gave them in the failed step is kept."""
+
+    def recover(self) -> None:
+        decoding = [s for s in self._in_flight if not s.is_prefill and s.block_table]
+        for seq in decoding:
+            del self._in_flight[seq]
+            seq.num_scheduled_tokens = 0
+            if seq not in self.running:
+                self.running.append(seq)
+        super().recover()

@@ -133,7 +133,7 @@ BAD_REQUESTS = [
     ([1, 2], {"temperature": -0.5}, ValueError, "temperature"),
     ([1, 2], {"top_p": 0.0}, ValueError, "top_p"),
     ([1, 2], {"top_p": 1.5}, ValueError, "top_p"),
-    ([1, 2], {"top_k": 0}, ValueError, "top_k"),
+    ([1, 2], {"top_k": 1.5}, TypeError, "top_k"),
     ([1, 2], {"top_k": -2}, ValueError, "top_k"),
     ([1, 2], {"temprature": 0.5}, TypeError, "temprature"),
     ([1, 2], "greedy", TypeError, "sampling params"),

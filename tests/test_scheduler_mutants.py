@@ -33,5 +33,15 @@ def test_engine_machine_catches(mutant: type) -> None:
         run_state_machine_as_test(make_machine(mutant), settings=HUNT)
 
 
+# Caught by a check (an AssertionError from the machine's invariants), not by a crash.
+CHECK_CAUGHT = [m.RecoverKeepsDecodeGrowth]
+
+
+@pytest.mark.parametrize("mutant", CHECK_CAUGHT, ids=[c.__name__ for c in CHECK_CAUGHT])
+def test_engine_machine_checks_catch(mutant: type) -> None:
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(make_machine(mutant), settings=HUNT)
+
+
 def test_the_real_scheduler_passes_the_same_hunt() -> None:
     run_state_machine_as_test(make_machine(), settings=settings(HUNT, max_examples=200))

@@ -6,7 +6,9 @@ does not finish its prompt). That lets the whole loop be verified with a determi
 model in milliseconds, and the real runner (``model_runner.py``) plug in unchanged.
 
 Every request is validated in full before any state changes: a refused request leaves the
-engine exactly as it was, and everything else keeps being served.
+engine exactly as it was, and everything else keeps being served. Steps are atomic (see
+the scheduler's docstring): a step that raises leaves every request either as it was or
+preempted, and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral
 from typing import Any, Protocol
 
@@ -23,7 +25,7 @@ from tqdm.auto import tqdm
 from paged_engine.config import EngineConfig
 from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.indexing import num_blocks
-from paged_engine.engine.scheduler import Allocator, Scheduler, SchedulerStats
+from paged_engine.engine.scheduler import Allocator, FailedSample, Scheduler, SchedulerStats
 from paged_engine.engine.sequence import Sequence
 from paged_engine.sampling_params import SamplingParams
 
@@ -32,9 +34,9 @@ ParamsLike = SamplingParams | dict[str, Any]
 
 
 class ModelRunner(Protocol):
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SequenceABC[int | None]:
-        """One sampled token per sequence; None (or anything) for a prefill chunk that
-        does not finish its prompt."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SequenceABC[int | FailedSample | None]:
+        """One sampled token per sequence (``FailedSample`` where it could not sample);
+        None (or anything) for a prefill chunk that does not finish its prompt."""
         ...
 
 
@@ -50,10 +52,13 @@ class RequestOutput:
     token_ids: tuple[int, ...]
     """The generated tokens (the prompt excluded)."""
     finish_reason: str
-    """"stop" (EOS or a stop token) or "length" (max_tokens or max_model_len)."""
+    """"stop" (EOS or a stop token), "length" (max_tokens or max_model_len) or "error"
+    (the model's output for it could not be sampled: ``stop_reason`` says why)."""
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache when the request was first admitted."""
     text: str | None = None
+    stop_reason: str | None = None
+    """For ``finish_reason == "error"``: why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.num_blocks = pool
         self.block_manager = block_manager or BlockManager(
-            pool, config.kvcache_block_size, enable_prefix_caching=config.enable_prefix_caching
+            pool,
+            config.kvcache_block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = scheduler_cls(
             self.block_manager,
@@ -208,22 +215,46 @@ class LLMEngine:
         return seq.seq_id
 
     def abort_request(self, request_id: int) -> bool:
-        """Drop a request and free its blocks at once; False if it is not unfinished."""
+        """Drop a request and free its blocks at once; False if it is not in the engine
+        (a finished request whose output was not delivered yet can still be aborted)."""
         seq = self._requests.pop(request_id, None)
         return seq is not None and self.scheduler.abort(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
+        """True while a request waits, runs, or has an output not yet returned."""
+        return not self.scheduler.is_finished() or bool(self.scheduler.finished)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step through the model; return the requests finished in it."""
-        seqs, is_prefill = self.scheduler.schedule()
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids, is_prefill)
-        return [self._output(seq) for seq in finished]
+        """Run one scheduler step through the model; return the requests finished in it
+        (and any finished earlier whose outputs a failed step did not deliver).
+
+        If anything raises (the scheduler, the model runner, the sampler, building an
+        output, KeyboardInterrupt), the same exception propagates. The scheduler has then
+        recovered (see its docstring): every request is either committed or preempted,
+        and calling ``step()`` again goes on as if the fault had not happened. Finished
+        requests are delivered only once every one of their outputs is built, so a
+        failure there loses none: they come out of the next ``step()``. On an idle
+        engine it returns ``[]`` and changes nothing.
+        """
+        sched = self.scheduler
+        if not sched.is_finished():
+            seqs, is_prefill = sched.schedule()
+            try:
+                token_ids = self.model_runner.run(seqs, is_prefill)
+                sched.postprocess(seqs, token_ids, is_prefill)
+            except BaseException:
+                sched.recover()
+                raise
+        if not sched.finished:
+            return []
+        outputs = [self._output(seq) for seq in sched.finished]
+        for seq in sched.finished:
+            del self._requests[seq.seq_id]
+            sched.errors.pop(seq.seq_id, None)
+        sched.finished.clear()
+        return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        self._requests.pop(seq.seq_id, None)
         completion = seq.completion_token_ids
         text = None
         if self.tokenizer is not None:
@@ -235,6 +266,7 @@ class LLMEngine:
             finish_reason=self.scheduler.finish_reason(seq),
             num_cached_tokens=seq.num_prefix_hit_tokens or 0,
             text=text,
+            stop_reason=self.scheduler.errors.get(seq.seq_id),
         )
 
     # ---- batch generation ------------------------------------------------------------------
@@ -246,7 +278,13 @@ class LLMEngine:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in input order. ``params`` is one set for
-        all prompts or one per prompt. Every request is validated before any is queued."""
+        all prompts or one per prompt. Every request is validated before any is queued.
+
+        If a step raises, the requests this call added are aborted (every block is freed;
+        blocks they completed stay registered in the prefix cache, which is valid) and the
+        same exception propagates, carrying the outputs of the requests that had finished
+        (in input order) as its ``partial_outputs`` attribute. The engine is idle again.
+        """
         if self.has_unfinished_requests():
             raise RuntimeError(
                 "generate() needs an idle engine: requests added with add_request() are "
@@ -290,6 +328,11 @@ class LLMEngine:
                     f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                     refresh=False,  # redrawn at tqdm's own pace, not every step
                 )
+        except BaseException as exc:
+            for i in ids:
+                self.abort_request(i)
+            _attach_partial_outputs(exc, [outputs[i] for i in ids if i in outputs])
+            raise
         finally:
             bar.close()
         self.last_run_stats = _run_stats(
@@ -298,16 +341,17 @@ class LLMEngine:
         return [outputs[i] for i in ids]
 
 
+def _attach_partial_outputs(exc: BaseException, outputs: list[RequestOutput]) -> None:
+    try:
+        exc.partial_outputs = outputs  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):  # an exception type with __slots__: nothing to do
+        return
+    if outputs and hasattr(exc, "add_note"):
+        exc.add_note(f"generate: {len(outputs)} request(s) had finished: see .partial_outputs")
+
+
 def _copy_stats(s: SchedulerStats) -> SchedulerStats:
-    return SchedulerStats(
-        s.prefill_tokens,
-        s.decode_tokens,
-        s.cached_prompt_tokens,
-        s.prompt_tokens,
-        s.preemptions,
-        s.peak_blocks_in_use,
-        s.steps,
-    )
+    return replace(s)
 
 
 def _run_stats(

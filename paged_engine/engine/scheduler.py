@@ -27,9 +27,28 @@ nothing is able to run; and since a prefill step always continues it first, ever
 sequence is decoding whenever a decode step is scheduled. Results are unchanged: chunking,
 prefix hits and preemption only change *when* tokens are computed, never their values.
 
-Costs: scheduling is O(batch) per step plus the allocator's work; the allocator keeps each
-sequence's hash chain, so a request retried every step while it waits costs dictionary
-look-ups, not hashing.
+**Atomic steps.** If anything raises during a step (the allocator, the model runner, the
+sampler, a KeyboardInterrupt), every sequence the step touched is either committed or
+preempted, never half done. Before the scheduler changes a sequence (admits it, grows its
+table, takes it out of a queue) it records it *in flight* with its token count; the last
+statement of its bookkeeping in ``postprocess`` is its commit. ``recover()`` preempts
+whatever is still in flight: a token appended without commit is dropped, the blocks are
+released (R3) and the sequence goes to the front of waiting, to be recomputed. Results
+are unchanged (recomputation is how preemption already works), and the engine keeps
+serving.
+
+Why preempt rather than restore the allocator exactly (a journal): the model may already
+have written K/V into the step's blocks, and a fresh block taken from the free queue (R2)
+lost its old registration. Restoring the old state would re-register a block whose
+contents were partly overwritten, so a later prefix hit would read corrupt K/V. Releasing
+keeps exactly the registrations whose contents are complete and were not written in this
+step (R9: a step writes only to a sequence's own uncomputed slots). Recovery also needs no
+inverse operations: only ``deallocate``, which the spec already verifies.
+
+Costs: scheduling is O(batch) per step plus the allocator's work, and one dictionary
+insert and delete per scheduled sequence for the in-flight record. The allocator keeps
+each sequence's hash chain, so a request retried every step while it waits costs
+dictionary look-ups, not hashing. A fault costs the recomputation of the step's sequences.
 """
 
 from __future__ import annotations
@@ -79,6 +98,8 @@ class SchedulerStats:
     preemptions: int = 0
     peak_blocks_in_use: int = 0
     steps: int = 0
+    failed_steps: int = 0
+    """Steps that raised and were recovered (their sequences preempted)."""
 
 
 class Scheduler:
@@ -107,12 +128,20 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.finished: list[Sequence] = []
+        """Finished sequences whose outputs the engine has not delivered yet."""
+        self.errors: dict[int, str] = {}
+        """Why each sequence finished with "error" (its sample failed), by seq_id."""
         self.stats = SchedulerStats()
+        # Sequences the current step has touched and not committed, with their token
+        # counts before the step (see "Atomic steps" in the module docstring).
+        self._in_flight: dict[Sequence, int] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
+        """True when no request waits or runs (outputs may still be undelivered)."""
         return not self.waiting and not self.running
 
     # ---- choosing a batch ----------------------------------------------------------------
@@ -120,45 +149,56 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The next step's sequences, each with ``num_scheduled_tokens`` set, and whether
         it is a prefill step. Raises RuntimeError if nothing can run while work remains
-        (a request larger than the pool slipped past validation)."""
-        self.stats.steps += 1
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            self._note_blocks_in_use()
-            return scheduled, True
-        scheduled = self._schedule_decode()
-        if not scheduled:
+        (a request larger than the pool slipped past validation). If it raises, nothing
+        is left half done (``recover()`` has run)."""
+        if self._in_flight:
             raise RuntimeError(
-                f"scheduler stalled: {len(self.waiting)} waiting, {len(self.running)} running, "
-                f"{self.block_manager.num_free_blocks} free blocks"
+                "schedule: the previous step was neither post-processed nor recovered"
             )
+        try:
+            scheduled = self._schedule_prefill()
+            is_prefill = bool(scheduled)
+            if not is_prefill:
+                scheduled = self._schedule_decode()
+            if not scheduled:
+                raise RuntimeError(
+                    f"scheduler stalled: {len(self.waiting)} waiting, {len(self.running)} "
+                    f"running, {self.block_manager.num_free_blocks} free blocks"
+                )
+        except BaseException:
+            self.recover()
+            raise
+        self.stats.steps += 1
         self._note_blocks_in_use()
-        return scheduled, False
+        return scheduled, is_prefill
 
     def _schedule_prefill(self) -> list[Sequence]:
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         filling: set[tuple[int, tuple[int, ...]]] = set()  # blocks this step completes
+        in_flight = self._in_flight
         for seq in self.running:  # continue chunked prefills first
             if len(scheduled) == self.max_num_seqs or budget == 0:
                 return scheduled
             if seq.is_prefill:
+                in_flight[seq] = seq.num_tokens
                 budget -= self._schedule_chunk(seq, budget, filling)
                 scheduled.append(seq)
-        bm = self.block_manager
-        deferred: list[Sequence] = []
-        while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+        bm, waiting = self.block_manager, self.waiting
+        skipped = 0  # deferred requests stay at the head of waiting, in arrival order
+        while skipped < len(waiting) and len(scheduled) < self.max_num_seqs and budget > 0:
+            seq = waiting[skipped]
             hits = bm.can_allocate(seq)
             if hits is None:
                 break
             if filling and hits < seq.num_blocks - 1 and (hits, seq.block(hits)) in filling:
                 # Its next block is being computed in this step by an earlier request:
                 # next step it is a prefix hit instead of a second computation.
-                deferred.append(self.waiting.popleft())
+                skipped += 1
                 continue
+            in_flight[seq] = seq.num_tokens
             bm.allocate(seq, hits)
-            self.waiting.popleft()
+            del waiting[skipped]
             if seq.num_prefix_hit_tokens is None:  # first admission
                 seq.num_prefix_hit_tokens = seq.num_cached_tokens
                 self.stats.cached_prompt_tokens += seq.num_cached_tokens
@@ -168,7 +208,6 @@ class Scheduler:
             budget -= self._schedule_chunk(seq, budget, filling)
             self.running.append(seq)
             scheduled.append(seq)
-        self.waiting.extendleft(reversed(deferred))  # back in front, in arrival order
         return scheduled
 
     def _schedule_chunk(
@@ -189,14 +228,21 @@ class Scheduler:
         bm = self.block_manager
         limit = min(self.max_num_seqs, self.max_num_batched_tokens)
         scheduled: list[Sequence] = []
-        running = self.running
+        running, in_flight = self.running, self._in_flight
         while running and len(scheduled) < limit:
-            seq = running.popleft()
+            seq = running[0]
+            in_flight[seq] = seq.num_tokens
+            running.popleft()
             while not bm.can_append(seq):
                 if running:
-                    self._preempt(running.pop())  # the most recently admitted
+                    victim = running[-1]  # the most recently admitted
+                    in_flight[victim] = victim.num_tokens
+                    running.pop()
+                    self._preempt(victim)
+                    del in_flight[victim]
                 else:
                     self._preempt(seq)
+                    del in_flight[seq]
                     break
             else:
                 bm.may_append(seq)
@@ -206,6 +252,7 @@ class Scheduler:
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
+        """Release a sequence that is in no queue and send it to the front of waiting."""
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         seq.is_prefill = True
@@ -221,30 +268,75 @@ class Scheduler:
     # ---- applying a step's results -------------------------------------------------------
 
     def postprocess(
-        self, seqs: list[Sequence], token_ids: Sequence_[int | None], is_prefill: bool
+        self,
+        seqs: list[Sequence],
+        token_ids: Sequence_[int | FailedSample | None],
+        is_prefill: bool,
     ) -> list[Sequence]:
         """Register full blocks, advance counters, append sampled tokens, apply stop
-        conditions, release finished sequences. Returns the sequences finished now."""
-        bm = self.block_manager
+        conditions, release finished sequences (also kept in ``finished`` until the engine
+        delivers them). Returns the sequences finished now. Each sequence commits at the
+        end of its own bookkeeping; if this raises, ``recover()`` handles the rest."""
+        bm, stats, in_flight = self.block_manager, self.stats, self._in_flight
         finished: list[Sequence] = []
         for seq, token in zip(seqs, token_ids, strict=True):
             bm.hash_blocks(seq)
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            if is_prefill:
-                self.stats.prefill_tokens += seq.num_scheduled_tokens
-                if seq.num_cached_tokens < seq.num_tokens:
-                    continue  # a chunk that did not finish the prompt samples nothing
-                seq.is_prefill = False
+            n = seq.num_scheduled_tokens
+            seq.num_cached_tokens += n
+            if is_prefill and seq.num_cached_tokens < seq.num_tokens:
+                stats.prefill_tokens += n  # a chunk that did not finish the prompt
+                del in_flight[seq]  # commit
+                continue
+            if isinstance(token, FailedSample):
+                self.errors[seq.seq_id] = token.reason
+                stops = True
+            elif isinstance(token, int):
+                seq.append_token(token)
+                stops = self._stops(seq, token)
             else:
-                self.stats.decode_tokens += 1
-            assert token is not None, "the model runner sampled no token for a finished prompt"
-            seq.append_token(token)
-            if self._stops(seq, token):
+                raise RuntimeError(
+                    f"the model runner returned {token!r} for {seq}, which samples in this step"
+                )
+            seq.is_prefill = False
+            if stops:
                 seq.status = SequenceStatus.FINISHED
                 bm.deallocate(seq)
                 self.running.remove(seq)
+                self.finished.append(seq)
                 finished.append(seq)
+            if is_prefill:
+                stats.prefill_tokens += n
+            else:
+                stats.decode_tokens += 1
+            del in_flight[seq]  # commit
         return finished
+
+    def recover(self) -> None:
+        """Preempt every sequence the current step touched and did not commit (see
+        "Atomic steps"): drop a token appended without commit, release its blocks, and
+        put it at the front of waiting, in the order the step took them. Safe to call
+        when nothing is in flight."""
+        stale = self._in_flight
+        if not stale:
+            return
+        self.stats.failed_steps += 1
+        # Wherever an interruption left them (a queue, no queue, finished), take them out.
+        self.running = deque(s for s in self.running if s not in stale)
+        self.waiting = deque(s for s in self.waiting if s not in stale)
+        self.finished = [s for s in self.finished if s not in stale]
+        for seq, num_tokens in stale.items():
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            del seq.token_ids[num_tokens:]
+            seq.num_tokens = num_tokens
+            seq.last_token = seq.token_ids[-1]
+            seq.num_cached_tokens = 0
+            seq.num_scheduled_tokens = 0
+            seq.is_prefill = True
+            seq.status = SequenceStatus.WAITING
+            self.errors.pop(seq.seq_id, None)
+        self.waiting.extendleft(reversed(list(stale)))
+        self._in_flight = {}
 
     def _stops(self, seq: Sequence, token: int) -> bool:
         params = seq.sampling_params
@@ -256,7 +348,10 @@ class Scheduler:
         )
 
     def finish_reason(self, seq: Sequence) -> str:
-        """ "stop" for EOS or a stop token, "length" for max_tokens or max_model_len."""
+        """ "stop" for EOS or a stop token, "length" for max_tokens or max_model_len,
+        "error" when its sample failed (``errors`` says why)."""
+        if seq.seq_id in self.errors:
+            return "error"
         last = seq.last_token
         params = seq.sampling_params
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
@@ -266,13 +361,14 @@ class Scheduler:
     # ---- aborting -------------------------------------------------------------------------
 
     def abort(self, seq: Sequence) -> bool:
-        """Remove ``seq`` from whichever queue holds it and free its blocks at once.
-        Returns False when it is in neither (already finished or aborted)."""
-        for queue in (self.waiting, self.running):
+        """Remove ``seq`` from whichever queue holds it (finished but undelivered
+        included) and free its blocks at once. Returns False when it is in none."""
+        for queue in (self.waiting, self.running, self.finished):
             if seq in queue:
                 queue.remove(seq)
                 if seq.block_table:
                     self.block_manager.deallocate(seq)
                 seq.status = SequenceStatus.FINISHED
+                self.errors.pop(seq.seq_id, None)
                 return True
         return False

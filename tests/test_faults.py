@@ -1,0 +1,299 @@
+"""A failed step changes nothing that matters: faults in the model, the allocator and the
+tokenizer, through ``step()`` and ``generate()``, on the fake model (every fault position of
+a small run) and on the real tiny Qwen3. The state machine version is the fault rule of
+tests/engine_machine.py; this file pins down the user-visible contract."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from paged_engine import LLM
+from paged_engine.config import EngineConfig
+from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.engine.scheduler import FailedSample
+from paged_engine.sampling_params import SamplingParams
+from tests.engine_machine import VOCAB, build_engine
+from tests.fake_model import FakeModelRunner, FakeTokenizer, reference_generate
+
+CONFIG = EngineConfig(
+    max_num_batched_tokens=6,  # prompts are chunked
+    max_num_seqs=3,
+    max_model_len=24,
+    kvcache_block_size=2,  # decode steps often start a block (may_append allocates)
+    num_kvcache_blocks=14,  # tight: preemptions happen
+)
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [1, 2, 3, 4, 2], [3, 3, 3, 3, 3, 3, 3, 3, 1], [4, 1]]
+PARAMS = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+
+
+def expected_tokens(prompt: list[int], params: SamplingParams = PARAMS) -> list[int]:
+    tokens, _ = reference_generate(
+        prompt, params, vocab_size=VOCAB, eos_token_id=None, max_model_len=CONFIG.max_model_len
+    )
+    return tokens
+
+
+def assert_idle_and_whole(engine: LLMEngine) -> None:
+    """Nothing queued, every block free, R12 holds, nothing half done."""
+    assert not engine.has_unfinished_requests()
+    assert not engine._requests, "requests left in the engine's table"
+    sched = engine.scheduler
+    assert not sched.waiting and not sched.running and not sched.finished
+    assert not sched._in_flight
+    bm: Any = engine.block_manager
+    assert bm.num_free_blocks == CONFIG.num_kvcache_blocks
+    bm.check_invariants([])
+
+
+def count_model_calls(engine_cls: type[LLMEngine] = LLMEngine) -> int:
+    engine = build_engine(CONFIG, spec=False, engine_cls=engine_cls)
+    engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return engine.model_runner.calls  # type: ignore[attr-defined, no-any-return]
+
+
+def check_generate_recovers(
+    engine_cls: type[LLMEngine], error: type[BaseException], call: int, spec: bool = False
+) -> None:
+    """``generate`` raising at model call ``call`` (after some K/V writes of that step)
+    leaves the engine idle with every block free, hands back the outputs that finished,
+    and the next ``generate`` is exactly right."""
+    engine = build_engine(CONFIG, spec=spec, engine_cls=engine_cls)
+    runner: Any = engine.model_runner
+    # Opportunities per call: one before each K/V write and one after the last; a fault
+    # at the second one of call ``call`` fires after one write of that step (or, for a
+    # step with no write... there is none: every step computes at least one token).
+    runner.fault.arm(_opportunities_before_call(call) + 1, error)
+    with pytest.raises(error, match="injected fault") as info:
+        engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert runner.fault.fired == 1
+    assert_idle_and_whole(engine)
+    partial = info.value.partial_outputs  # type: ignore[attr-defined]
+    for out in partial:  # finished before the fault: complete and correct
+        assert list(out.token_ids) == expected_tokens(list(out.prompt_token_ids))
+    outs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [list(o.token_ids) for o in outs] == [expected_tokens(p) for p in PROMPTS]
+    assert_idle_and_whole(engine)
+
+
+_WRITES_PER_CALL: list[int] = []
+
+
+def _opportunities_before_call(call: int) -> int:
+    """Fault opportunities of the calls before ``call`` in a clean run (writes + 1 each)."""
+    if not _WRITES_PER_CALL:
+        engine = build_engine(CONFIG, spec=False)
+        engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+        runner: Any = engine.model_runner
+        _WRITES_PER_CALL.extend(sum(n for _, n in batch) for _, batch in runner.batches)
+    return sum(n + 1 for n in _WRITES_PER_CALL[:call])
+
+
+NUM_CALLS = count_model_calls()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("call", range(NUM_CALLS))
+def test_generate_recovers_from_a_fault_at_every_model_call(
+    call: int, error: type[BaseException]
+) -> None:
+    check_generate_recovers(LLMEngine, error, call)
+
+
+def test_generate_recovers_with_the_spec_allocator_in_the_loop() -> None:
+    for call in range(0, NUM_CALLS, 3):
+        check_generate_recovers(LLMEngine, RuntimeError, call, spec=True)
+
+
+class GenerateKeepsRequestsOnError(LLMEngine):
+    """Mutant: ``generate`` re-raises without aborting the requests it added."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        abort = self.abort_request
+        self.abort_request = lambda request_id: False  # type: ignore[method-assign, assignment, return-value]
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            self.abort_request = abort  # type: ignore[method-assign]
+
+
+def test_the_generate_check_catches_a_generate_that_does_not_abort() -> None:
+    with pytest.raises(AssertionError):
+        check_generate_recovers(GenerateKeepsRequestsOnError, RuntimeError, NUM_CALLS // 2)
+
+
+def test_the_fault_positions_cover_decode_growth_and_prefill_chunks() -> None:
+    """The positions above include what the issue reproduced: a decode step in which
+    ``may_append`` gave a sequence a new block, and a chunked prefill step."""
+    engine = build_engine(CONFIG, spec=False)
+    grew, chunked = [], []
+    runner: Any = engine.model_runner
+    run = runner.run
+
+    def spy(seqs: list[Any], is_prefill: bool) -> list[int]:
+        bs = CONFIG.kvcache_block_size
+        grew.append(not is_prefill and any((len(s) - 1) % bs == 0 for s in seqs))
+        chunked.append(
+            is_prefill and any(s.num_cached_tokens + s.num_scheduled_tokens < len(s) for s in seqs)
+        )
+        return run(seqs, is_prefill)  # type: ignore[no-any-return]
+
+    runner.run = spy
+    engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert any(grew) and any(chunked)
+    assert engine.last_run_stats is not None and engine.last_run_stats.preemptions > 0
+
+
+# ---- step() -------------------------------------------------------------------------------
+
+
+def test_step_on_an_idle_engine_returns_nothing_and_changes_no_counter() -> None:
+    engine = build_engine(CONFIG, spec=False)
+    before = (engine.scheduler.stats, engine.block_manager.snapshot())  # type: ignore[attr-defined]
+    stats_before = repr(before[0])
+    assert engine.step() == []
+    assert repr(engine.scheduler.stats) == stats_before
+    assert engine.block_manager.snapshot() == before[1]  # type: ignore[attr-defined]
+    assert engine.model_runner.calls == 0  # type: ignore[attr-defined]
+
+
+def test_a_retried_step_produces_the_tokens_of_a_run_without_the_fault() -> None:
+    engine = build_engine(CONFIG, spec=False)
+    ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    runner: Any = engine.model_runner
+    outs: dict[int, list[int]] = {}
+    failures = 0
+    while engine.has_unfinished_requests():
+        runner.fault.arm(1, KeyboardInterrupt)  # every other step fails after one write
+        try:
+            for out in engine.step():
+                outs[out.request_id] = list(out.token_ids)
+        except KeyboardInterrupt:
+            failures += 1
+            engine.block_manager.check_invariants(engine.scheduler.running)  # type: ignore[attr-defined]
+        runner.fault.disarm()
+        for out in engine.step():
+            outs[out.request_id] = list(out.token_ids)
+    assert failures > 3
+    assert engine.scheduler.stats.failed_steps == failures
+    assert [outs[i] for i in ids] == [expected_tokens(p) for p in PROMPTS]
+
+
+def test_a_failed_detokenisation_loses_no_finished_request() -> None:
+    tokenizer = FakeTokenizer()
+    wide = replace(CONFIG, max_num_batched_tokens=64)
+    engine = build_engine(wide, spec=False, tokenizer=tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS[1:]]  # no shared prefix: one step
+    tokenizer.fault.arm(1, ValueError)  # the second output's decode raises
+    with pytest.raises(ValueError, match="injected"):
+        engine.step()
+    assert engine.has_unfinished_requests()
+    outs = engine.step()  # delivered now, all of them, the model not run again
+    assert sorted(o.request_id for o in outs) == sorted(ids)
+    assert engine.model_runner.calls == 1  # type: ignore[attr-defined]
+    for out in outs:
+        assert out.text == "".join(
+            f"<{t}>" for t in expected_tokens(list(out.prompt_token_ids), params)
+        )
+    assert_idle_and_whole(engine)
+
+
+def test_a_finished_but_undelivered_request_can_be_aborted() -> None:
+    tokenizer = FakeTokenizer()
+    wide = replace(CONFIG, max_num_batched_tokens=64)
+    engine = build_engine(wide, spec=False, tokenizer=tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    a = engine.add_request(PROMPTS[1], params)
+    b = engine.add_request(PROMPTS[2], params)
+    tokenizer.fault.arm(0, ValueError)
+    with pytest.raises(ValueError):
+        engine.step()
+    assert engine.abort_request(a)
+    assert not engine.abort_request(a)
+    assert [o.request_id for o in engine.step()] == [b]
+    assert_idle_and_whole(engine)
+
+
+class NonFiniteFor(FakeModelRunner):
+    """Returns ``FailedSample`` for the sequences whose first prompt token is ``poison``."""
+
+    def __init__(self, poison: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.poison = poison
+
+    def run(self, seqs: list[Any], is_prefill: bool) -> list[Any]:
+        out: list[Any] = super().run(seqs, is_prefill)
+        return [
+            FailedSample("logits are not finite") if s.token_ids[0] == self.poison else t
+            for s, t in zip(seqs, out, strict=True)
+        ]
+
+
+def test_a_failed_sample_finishes_only_its_request_with_error() -> None:
+    runner = NonFiniteFor(4, CONFIG.num_kvcache_blocks, CONFIG.kvcache_block_size, VOCAB)
+    engine = LLMEngine(runner, CONFIG, vocab_size=VOCAB)
+    outs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        if prompt[0] == 4:
+            assert out.finish_reason == "error" and out.token_ids == ()
+            assert out.stop_reason == "logits are not finite"
+        else:
+            assert list(out.token_ids) == expected_tokens(prompt)
+            assert out.finish_reason == "length" and out.stop_reason is None
+    assert_idle_and_whole(engine)
+
+
+# ---- the real model ------------------------------------------------------------------------
+
+
+def _faulty_forward(llm: LLM, fail_at: Callable[[int], bool]) -> list[int]:
+    """Make the model's last decoder layer raise at the steps ``fail_at`` picks (the
+    earlier layers have written this step's K/V by then); returns the call log."""
+    layer = llm.model_runner.model.model.layers[-1]
+    forward = layer.forward
+    calls: list[int] = []
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls.append(len(calls))
+        if fail_at(len(calls) - 1):
+            raise KeyboardInterrupt("injected fault in the model")
+        return forward(*args, **kwargs)
+
+    layer.forward = wrapped  # type: ignore[method-assign]
+    return calls
+
+
+def test_llm_generate_after_a_fault_at_every_model_call_is_exact(tiny_model_dir: Path) -> None:
+    llm = LLM(
+        tiny_model_dir,
+        num_kvcache_blocks=10,  # three requests need 13 blocks: preemption
+        kvcache_block_size=4,
+        max_num_batched_tokens=8,  # chunked prefill
+        max_model_len=24,
+    )
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6], [5, 6, 7, 8, 9, 10, 11, 12, 14], [20, 21, 22]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    clean = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.last_run_stats is not None and llm.last_run_stats.preemptions > 0
+    fail_at: list[int | None] = [None]
+    calls = _faulty_forward(llm, lambda i: i == fail_at[0])
+    llm.generate(prompts, params, use_tqdm=False)
+    num_calls = len(calls)
+    assert num_calls >= 8
+    pool = llm.engine.num_blocks
+    for k in range(num_calls):
+        calls.clear()
+        fail_at[0] = k
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.block_manager.num_free_blocks == pool
+        llm.engine.block_manager.check_invariants([])  # type: ignore[attr-defined]
+        calls.clear()
+        fail_at[0] = None
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == clean
