@@ -1,7 +1,8 @@
-"""Our layers, the torch attention backend and the sampler against independent references.
+"""Our layers and the torch attention backend against independent references (the sampler:
+tests/test_sampling.py).
 
 References: transformers' own Qwen3 modules (same weights, float32), ``naive_attention``
-(itself anchored to transformers' eager attention), and distributions computed by hand.
+(itself anchored to transformers' eager attention).
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ from paged_engine.layers.attention import (
 from paged_engine.layers.context import forward_context
 from paged_engine.layers.layernorm import RMSNorm
 from paged_engine.layers.rotary import RopeSpec, RotaryEmbedding, rope_spec_from_config
-from paged_engine.layers.sampler import Sampler
 from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3DecoderLayer, Qwen3ForCausalLM
-from paged_engine.sampling_params import SamplingParams
 from paged_engine.utils.loader import load_model, load_tokenizer
 from paged_engine.utils.tiny_model import make_tiny_model
 
@@ -456,89 +455,3 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         get_attention_backend("triton", CPU, 16, torch.float32)
     with pytest.raises(ValueError, match="unknown attention backend 'cuda-magic'"):
         get_attention_backend("cuda-magic", CPU, 16, torch.float32)
-
-
-# ------------------------------------------------------------------------------ sampler
-
-
-def test_greedy_and_top_k_one_are_argmax() -> None:
-    torch.manual_seed(10)
-    logits = torch.randn(6, 50)
-    expected = logits.argmax(-1).tolist()
-    sampler = Sampler()
-    greedy = [SamplingParams(temperature=0)] * 6
-    assert sampler(logits, greedy, [None] * 6) == expected
-    top1 = [SamplingParams(temperature=1.5, top_k=1)] * 6
-    for seed in range(5):
-        gens = [torch.Generator().manual_seed(seed + i) for i in range(3)] + [None] * 3
-        assert sampler(logits, top1, gens) == expected
-
-
-def _seeded_run(position: int, neighbours: list[SamplingParams], seed: int) -> list[int]:
-    """20 steps of one seeded request at ``position`` among ``neighbours``.
-
-    Its logits come from their own stream, so they are the same whatever the batch.
-    """
-    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    own_logits = torch.Generator().manual_seed(11)
-    other_logits = torch.Generator().manual_seed(position)
-    sampler, tokens = Sampler(), []
-    for _ in range(20):
-        logits = torch.randn(len(neighbours) + 1, 100, generator=other_logits)
-        logits[position] = torch.randn(100, generator=own_logits)
-        batch = list(neighbours)
-        batch.insert(position, params)
-        gens = [torch.Generator().manual_seed(p.seed) if p.seed else None for p in batch]
-        gens[position] = gen
-        tokens.append(sampler(logits, batch, gens)[position])
-    return tokens
-
-
-def test_seeded_request_is_reproducible_whatever_its_neighbours() -> None:
-    alone = _seeded_run(0, [], seed=123)
-    neighbours = [
-        SamplingParams(temperature=0),
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.5, top_p=0.5, seed=7),
-        SamplingParams(temperature=2.0, top_k=3),
-    ]
-    assert _seeded_run(3, neighbours, seed=123) == alone
-    assert _seeded_run(1, neighbours[:2], seed=123) == alone
-    assert _seeded_run(0, neighbours[1:], seed=123) == alone  # unseeded rows after it
-    assert _seeded_run(0, [], seed=124) != alone
-
-
-def _frequencies(logits_row: torch.Tensor, params: SamplingParams, n: int = 4000) -> torch.Tensor:
-    torch.manual_seed(12)
-    tokens = Sampler()(logits_row.expand(n, -1), [params] * n, [None] * n)
-    return torch.bincount(torch.tensor(tokens), minlength=logits_row.numel()).float() / n
-
-
-def test_top_p_and_top_k_filter_the_right_tokens() -> None:
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()
-    freq = _frequencies(logits, SamplingParams(temperature=1.0, top_p=0.85))
-    assert (freq > 0).tolist() == [True, True, True, False]
-    torch.testing.assert_close(freq[:3], probs[:3] / 0.95, atol=0.03, rtol=0)
-    freq = _frequencies(logits, SamplingParams(temperature=1.0, top_k=2))
-    assert (freq > 0).tolist() == [True, True, False, False]
-    torch.testing.assert_close(freq[:2], probs[:2] / 0.8, atol=0.03, rtol=0)
-    freq = _frequencies(logits, SamplingParams(temperature=1.0, top_p=1e-6))  # keeps one
-    assert freq.tolist() == [1.0, 0.0, 0.0, 0.0]
-    freq = _frequencies(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.6))
-    assert (freq > 0).tolist() == [True, True, False, False]  # 0.5/0.95 < 0.6 keeps token 1
-
-
-def test_temperature_sharpens_and_flattens() -> None:
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()
-    torch.testing.assert_close(_frequencies(logits, SamplingParams()), probs, atol=0.03, rtol=0)
-    assert _frequencies(logits, SamplingParams(temperature=0.05))[0] > 0.99
-    hot = _frequencies(logits, SamplingParams(temperature=50.0))
-    torch.testing.assert_close(hot, torch.full((4,), 0.25), atol=0.04, rtol=0)
-
-
-def test_sampler_rejects_mismatched_lengths() -> None:
-    with pytest.raises(ValueError, match="2 logit rows"):
-        Sampler()(torch.zeros(2, 5), [SamplingParams()], [None, None])

@@ -90,7 +90,7 @@ def test_a_pool_too_small_for_max_model_len_is_refused(tiny_model_dir: Path) -> 
         ("hello", {"max_tokens": 0}, ValueError, "max_tokens"),
         ("hello", {"top_p": 2.0}, ValueError, "top_p"),
         ("hello", {"temperature": -1.0}, ValueError, "temperature"),
-        ("hello", {"top_k": 0}, ValueError, "top_k"),
+        ("hello", {"top_k": -2}, ValueError, "top_k"),
         ("hello", {"colour": "red"}, TypeError, "colour"),
         ("hello " * 200, {}, ValueError, "max_model_len"),
     ],

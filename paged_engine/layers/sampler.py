@@ -26,9 +26,20 @@ def _needs_filter(p: SamplingParams, vocab: int) -> bool:
     return (p.top_k is not None and p.top_k < vocab) or p.top_p < 1.0
 
 
-def _softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits / temperature`` per row, shifted first so each row's maximum is 0.
+
+    Every non-greedy temperature is >= ``GREEDY_BELOW``, and after the shift the quotient
+    can only overflow towards ``-inf`` (probability 0) while the top token stays at 0, so
+    finite logits always give a valid distribution (a temperature beyond float32 is
+    ``inf``: every quotient is 0, the uniform distribution).
+    """
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    return torch.softmax(logits / temps[:, None], dim=-1)
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
+
+
+def _softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    return torch.softmax(_scaled(logits, params), dim=-1)
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -38,10 +49,10 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     row and the result is scattered back. The most likely token is always kept.
     """
     device, vocab = logits.device, logits.shape[1]
-    temps = torch.tensor([p.temperature for p in params], device=device)
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)[:, None]
-    top_p = torch.tensor([float(p.top_p) for p in params], device=device)[:, None]
-    sorted_logits, order = (logits / temps[:, None]).sort(dim=-1, descending=True, stable=True)
+    # top_k may be any int >= 1: clamped to the vocabulary before it becomes a tensor
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    sorted_logits, order = _scaled(logits, params).sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=device)[None, :]
     probs = torch.softmax(sorted_logits.masked_fill(ranks >= top_k, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
@@ -53,12 +64,15 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 class Sampler:
     """Picks one token per row of ``logits`` from that request's ``SamplingParams``.
 
-    ``temperature == 0`` is argmax (first index on ties). Otherwise the order is that of
-    transformers' and vLLM's samplers: temperature, top-k, top-p, draw. Every row's
-    probabilities depend only on its own logits and params (rows are grouped by whether
-    they filter, never mixed), and a row with a ``torch.Generator`` draws its noise alone
-    from it in vocabulary order, so a seeded request samples the same tokens whatever else
-    shares the batch. Unseeded rows draw together.
+    A row whose logits are not all finite (NaN or inf, e.g. from broken weights) gets None,
+    never a token: whatever argmax or a draw would pick from it is meaningless. Greedy
+    params (``temperature < GREEDY_BELOW``, never divided by) are argmax (first index on
+    ties). Otherwise the order is that of transformers' and vLLM's samplers: temperature,
+    top-k, top-p, draw. Every row's probabilities depend only on its own logits and params
+    (rows are grouped by whether they filter, never mixed), and a row with a
+    ``torch.Generator`` draws its noise alone from it in vocabulary order, so a seeded
+    request samples the same tokens whatever else shares the batch. Unseeded rows draw
+    together.
     """
 
     def __call__(
@@ -66,9 +80,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> list[int]:
-        """``logits`` ``[B, V]`` → ``B`` token ids."""
-        batch, vocab = logits.shape
+    ) -> list[int | None]:
+        """``logits`` ``[B, V]`` → ``B`` token ids, None for a row that is not all finite.
+
+        One device-to-host transfer per call; an all-greedy batch costs an argmax and the
+        finiteness check.
+        """
+        batch = logits.shape[0]
         if len(params) != batch or len(generators) != batch:
             raise ValueError(
                 f"{batch} logit rows but {len(params)} params and {len(generators)} generators"
@@ -76,9 +94,22 @@ class Sampler:
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled:
-            return tokens.tolist()
-        device = logits.device
+        if sampled:
+            self._sample(logits, tokens, sampled, params, generators)
+        # one transfer: non-finite rows come back as -1, which no token id is
+        tokens.masked_fill_(~torch.isfinite(logits).all(dim=-1), -1)
+        return [t if t >= 0 else None for t in tokens.tolist()]
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        sampled: list[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> None:
+        """Overwrite ``tokens[sampled]`` with draws (a NaN row draws garbage, never fails)."""
+        device, vocab = logits.device, logits.shape[1]
         probs = torch.empty(len(sampled), vocab, device=device)
         for wants_filter, fn in ((False, _softmax), (True, _filtered_probs)):
             group = [
@@ -98,4 +129,3 @@ class Sampler:
             if generators[i] is not None:
                 picked[j] = _draw(probs[j : j + 1], generators[i])[0]
         tokens[torch.tensor(sampled, device=device)] = picked
-        return tokens.tolist()
