@@ -42,7 +42,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool bytes (CPU)")
-    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence (default: 4096, capped at the model's max_position_embeddings)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
@@ -56,7 +61,6 @@ def _engine_config(a: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = dict(
         kvcache_block_size=a.block_size,
         num_kvcache_blocks=a.num_kv_blocks,
-        max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         attention_backend=a.attention_backend,
@@ -67,6 +71,8 @@ def _engine_config(a: argparse.Namespace) -> dict[str, Any]:
     )
     if a.kv_cache_memory is not None:
         cfg["kv_cache_memory"] = a.kv_cache_memory
+    if a.max_model_len is not None:
+        cfg["max_model_len"] = a.max_model_len
     return cfg
 
 

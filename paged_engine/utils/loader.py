@@ -1,35 +1,31 @@
 """Load a Hugging Face Qwen3 checkpoint directory into ``Qwen3ForCausalLM``.
 
 Everything that can be wrong with a checkpoint is found before any real memory is spent:
-the directory, config.json, the architecture, the shard files, and every tensor's name and
-shape (read from the safetensors headers and checked against a model built on the meta
-device). Only then is the model allocated on the target device and the data copied in.
+the directory and config.json (``model_config.load_config``), the shard files, and every
+tensor's name and shape (read from the safetensors headers and checked against a model
+built on the meta device). Only then is the model allocated on the target device and the
+data copied in.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from paged_engine.models.qwen3 import (
-    PACKED_MODULES_MAPPING,
-    Qwen3ForCausalLM,
-    check_supported_config,
-)
+from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3ForCausalLM
+from paged_engine.utils.model_config import load_config, read_json_object
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from paged_engine.layers.attention import AttentionBackend
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -42,35 +38,15 @@ class _Target:
     shard_id: str | int | None
 
 
-def _check_architecture(model_dir: Path) -> None:
-    """Read config.json as plain JSON, so an unknown model type fails with our message.
-
-    The listed architectures decide (a ``Qwen3ForSequenceClassification`` checkpoint has
-    model_type "qwen3" but no LM head); model_type "qwen3" is accepted only when the
-    config lists no architectures at all.
-    """
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json ({config_path} is missing)")
-    raw = json.loads(config_path.read_text())
-    archs = raw.get("architectures") or []
-    model_type = raw.get("model_type")
-    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        return
-    if not archs and model_type == "qwen3":
-        return
-    found = f"architectures {archs}" if archs else f"model_type {model_type!r}"
-    raise ValueError(
-        f"{model_dir}: unsupported model ({found}); supported architectures: "
-        f"{list(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
 def _weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files: the index's shards when an index exists, else every file."""
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
-        weight_map: Mapping[str, str] = json.loads(index_path.read_text())["weight_map"]
+        weight_map = read_json_object(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(f"{index_path} has no weight_map of tensor names to file names")
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (model_dir / n).is_file()]
         if missing:
@@ -82,11 +58,25 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def _open_safetensors(path: Path) -> Iterator[Any]:
+    """``safe_open`` on CPU, with the file named when it is garbage or truncated."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
+
+
 def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """Every tensor's shape and file, from the safetensors headers (no data is read)."""
+    """Every tensor's shape and file, from the safetensors headers (no data is read).
+
+    safetensors checks on opening that the header parses and that its offsets cover the
+    file exactly, so a truncated or garbage file is refused here, by name.
+    """
     shapes: dict[str, tuple[tuple[int, ...], Path]] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 if name in shapes:
                     raise ValueError(f"tensor {name} appears in both {shapes[name][1]} and {path}")
@@ -176,21 +166,19 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     backend: AttentionBackend,
+    config: PretrainedConfig | None = None,
 ) -> tuple[Qwen3ForCausalLM, PretrainedConfig]:
     """Validate the checkpoint fully, then build the model on ``device`` in ``dtype``.
 
-    Raises FileNotFoundError (directory, config.json, shard or weight files missing) or
-    ValueError (unsupported architecture or settings; missing, unexpected or misshapen
-    tensors, each named) before anything is allocated on ``device``.
+    ``config`` is the directory's config as ``load_config`` returned it (read and
+    validated here when None). Raises FileNotFoundError (directory, config.json, shard or
+    weight files missing) or ValueError (config.json or a weight file unreadable,
+    unsupported architecture or settings; missing, unexpected or misshapen tensors, each
+    named) before anything is allocated on ``device``.
     """
-    from transformers import AutoConfig
-
     path = Path(model_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    _check_architecture(path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    check_supported_config(config)
+    if config is None:
+        config = load_config(path)
     files = _weight_files(path)
     shapes = _checkpoint_shapes(files)
     tied = bool(config.tie_word_embeddings)
@@ -203,7 +191,7 @@ def load_model(
     params = dict(model.named_parameters())
     expected = _expected_names(model)
     for path_ in files:
-        with safe_open(str(path_), framework="pt", device="cpu") as f:
+        with _open_safetensors(path_) as f:
             for name in f.keys():  # noqa: SIM118
                 if name not in expected:
                     continue

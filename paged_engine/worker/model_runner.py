@@ -16,15 +16,15 @@ on CUDA (nano-vllm's approach).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from paged_engine.config import EngineConfig
+from paged_engine.engine.scheduler import FailedSample
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.attention import (
     AttentionBackend,
@@ -34,7 +34,9 @@ from paged_engine.layers.attention import (
 )
 from paged_engine.layers.context import forward_context
 from paged_engine.layers.sampler import Sampler
+from paged_engine.sampling_params import SEED_MODULUS
 from paged_engine.utils.loader import load_model
+from paged_engine.utils.model_config import head_dim, load_config
 
 logger = logging.getLogger("paged_engine")
 
@@ -102,46 +104,45 @@ class Batch:
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
-        """Everything that can be refused is checked before the model or pool is allocated:
-        the device, the attention backend, the checkpoint (by the loader)."""
-        from transformers import AutoConfig
-
+        """Everything that can be refused is refused before a weight is read or the model
+        or pool allocated: the device, config.json (``load_config``), ``max_model_len``
+        against the model's ``max_position_embeddings``, the attention backend, the pool
+        size, then the checkpoint's files and tensors (by the loader). Only a pool sized
+        from CUDA memory is checked after the weights load: its budget is what a warm-up
+        pass of the loaded model leaves."""
         self.device = resolve_device(config.device)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         path = Path(model_dir)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json")
-        raw_dtype = None
-        with contextlib.suppress(ValueError, OSError, KeyError):  # the loader names the problem
-            hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-            raw_dtype = getattr(hf_config, "dtype", None)
-        self.dtype = resolve_dtype(config.dtype, self.device, raw_dtype)
+        self.hf_config = load_config(path)
+        self._check_max_model_len(config, path)
+        self.config = config
+        self.dtype = resolve_dtype(
+            config.dtype, self.device, getattr(self.hf_config, "dtype", None)
+        )
         self.backend: AttentionBackend = get_attention_backend(
             config.attention_backend, self.device, config.kvcache_block_size, self.dtype
         )
-        self.model, self.hf_config = load_model(
-            path, device=self.device, dtype=self.dtype, backend=self.backend
-        )
-        max_len = min(config.max_model_len, int(self.hf_config.max_position_embeddings))
-        self.config = replace(config, max_model_len=max_len)
         self.block_size = config.kvcache_block_size
-        self.sampler = Sampler()
-        self.rng = torch.Generator(device=self.device).manual_seed(config.seed)
         self.layout = KVCacheLayout(
             num_layers=int(self.hf_config.num_hidden_layers),
             num_kv_heads=int(self.hf_config.num_key_value_heads),
-            head_dim=int(
-                getattr(self.hf_config, "head_dim", None)
-                or self.hf_config.hidden_size // self.hf_config.num_attention_heads
-            ),
+            head_dim=head_dim(self.hf_config),
             block_size=self.block_size,
             dtype=self.dtype,
         )
+        measured_pool = config.num_kvcache_blocks is None and self.device.type == "cuda"
+        if not measured_pool:
+            self.num_kvcache_blocks = self._pool_size()
+        if config.num_threads is not None:  # process-wide: only once nothing is refused
+            torch.set_num_threads(config.num_threads)
+        self.model, _ = load_model(
+            path, device=self.device, dtype=self.dtype, backend=self.backend, config=self.hf_config
+        )
+        self.sampler = Sampler()
+        # any int seeds the engine: s and s + 2**64 are the same seed
+        self.rng = torch.Generator(device=self.device).manual_seed(config.seed % SEED_MODULUS)
         self.kv_cache = torch.empty(0)  # the CUDA warm-up pass runs before the pool exists
-        self.num_kvcache_blocks = self._pool_size()
+        if measured_pool:
+            self.num_kvcache_blocks = self._pool_size()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %d bytes per token, %.1f MiB, "
@@ -156,9 +157,23 @@ class ModelRunner:
             self.device,
         )
 
+    def _check_max_model_len(self, config: EngineConfig, path: Path) -> None:
+        """vLLM refuses the same: a longer context than the model was built for."""
+        max_pos = int(self.hf_config.max_position_embeddings)
+        if config.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} is larger than the model's "
+                f"max_position_embeddings={max_pos} (in {path / 'config.json'}): "
+                f"lower max_model_len to at most {max_pos}"
+            )
+
     # ---- the KV pool -------------------------------------------------------------------------
 
     def _pool_size(self) -> int:
+        """Blocks for the pool, refused when it cannot hold one ``max_model_len`` sequence.
+
+        Needs only the layout, so ``__init__`` calls it before the weights load, except
+        for a pool sized from CUDA memory: that budget is measured with the loaded model."""
         cfg, per_block = self.config, self.layout.bytes_per_block
         if cfg.num_kvcache_blocks is not None:
             blocks = cfg.num_kvcache_blocks
@@ -264,27 +279,38 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         return batch, logits
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | FailedSample | None]:
         """One token per sequence that samples in this step; None for a prefill chunk that
-        does not finish its prompt (nothing is sampled for it)."""
+        does not finish its prompt (nothing is sampled for it); ``FailedSample`` for a
+        sequence whose logits are not all finite (NaN or inf: the model broke down), so
+        that one request fails and the rest of the batch goes on."""
         batch, logits = self._forward(seqs, is_prefill)
-        out: list[int | None] = [None] * len(seqs)
+        out: list[int | FailedSample | None] = [None] * len(seqs)
         if not batch.sampling:
             return out
         picked = [seqs[i] for i in batch.sampling]
         generators = [self._generator(s) for s in picked]
         tokens = self.sampler(logits, [s.sampling_params for s in picked], generators)
-        for i, t in zip(batch.sampling, tokens, strict=True):
+        for i, seq, t in zip(batch.sampling, picked, tokens, strict=True):
             out[i] = t
+            if t is None:
+                out[i] = FailedSample(
+                    f"the model's logits for the token at position {seq.num_tokens} are "
+                    "not finite (NaN or inf); nothing was sampled"
+                )
         return out
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """Seeded requests draw position by position from their own seed, so the token
-        at each position is the same whatever the batch, chunking or preemption."""
+        at each position is the same whatever the batch, chunking or preemption.
+
+        Any int is a seed, taken modulo ``2**64``: ``seed * 1_000_003`` is a bijection
+        there (the factor is odd), so distinct seeds modulo ``2**64`` get distinct
+        generator seeds at each position, and ``s`` and ``s + 2**64`` the same ones."""
         params = seq.sampling_params
         if params.greedy:
             return None
         if params.seed is None:
             return self.rng
         g = torch.Generator(device=self.device)
-        return g.manual_seed((params.seed * 1_000_003 + seq.num_tokens) % 2**63)
+        return g.manual_seed((params.seed * 1_000_003 + seq.num_tokens) % SEED_MODULUS)
