@@ -1,4 +1,5 @@
-"""Reference model of the block allocator: the simplest code that states rules R1-R12.
+"""Reference model of the block allocator: the simplest code that states rules R1-R12
+(and R4s, the cache salt).
 
 Read it beside ../shared/DESIGN.md; each step cites the rule it implements. Speed is no
 concern here (lists, linear scans, the hash chain recomputed from the first block every
@@ -9,11 +10,11 @@ lockstep. Contracts are PEP 316 docstrings, checked by CrossHair.
 from __future__ import annotations
 
 from paged_engine.engine.allocator_state import AllocatorState
-from spec.hashing import HashFn, simple_block_hash, xxh64_block_hash
+from spec.hashing import HashFn, salt_block, sha256_block_hash, simple_block_hash, xxh64_block_hash
 from spec.indexing import needs_new_block
 from spec.sequence import SpecSequence
 
-__all__ = ["BlockManager", "HashFn", "simple_block_hash", "xxh64_block_hash"]
+__all__ = ["BlockManager", "HashFn", "sha256_block_hash", "simple_block_hash", "xxh64_block_hash"]
 
 
 class BlockManager:
@@ -27,6 +28,9 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = xxh64_block_hash):
         """Raises ValueError for an empty pool or block size (the pre: lines below).
+
+        ``hash_fn`` is R4's block hash: ``xxh64_block_hash``, ``sha256_block_hash`` (the
+        engine's ``hash_algorithm="sha256"``), or a test's. It also hashes R4s's salt block.
 
         pre: num_blocks >= 1
         pre: block_size >= 1
@@ -57,6 +61,12 @@ class BlockManager:
         """R4, with the default hash function."""
         return xxh64_block_hash(tuple(token_ids), prefix)
 
+    def _chain_start(self, seq: SpecSequence) -> int | None:
+        """R4s: block 0's prefix: None without a salt, else the hash of the salt block."""
+        if seq.cache_salt is None:
+            return None
+        return self.hash_fn(salt_block(seq.cache_salt), None)
+
     def _fresh_block(self) -> int:
         """R2: the head of the free queue, its stale registration dropped, reset."""
         block = self.free_queue.pop(0)
@@ -75,7 +85,7 @@ class BlockManager:
                 f"the sequence's block_size {seq.block_size} != the allocator's {self.block_size}"
             )
         hits: list[int] = []
-        h = None
+        h = self._chain_start(seq)
         for i in range(seq.num_blocks - 1):
             tokens = seq.block(i)
             h = self.hash_fn(tokens, h)
@@ -180,8 +190,8 @@ class BlockManager:
             raise RuntimeError(
                 f"hash_blocks: {end} full blocks but the sequence holds {len(seq.block_table)}"
             )
-        h = None
-        for i in range(end):  # the chain runs from block 0 (R4)
+        h = self._chain_start(seq)
+        for i in range(end):  # the chain runs from block 0 (R4), or the salt (R4s)
             tokens = seq.block(i)
             h = self.hash_fn(tokens, h)
             if i >= cached // self.block_size:

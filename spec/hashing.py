@@ -1,7 +1,9 @@
-"""R4's chained block hash for the spec, and a pure-Python stand-in for CrossHair."""
+"""R4's chained block hash for the spec (xxh64 and sha256), R4s's salt block, and a
+pure-Python stand-in for CrossHair."""
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Callable
 
@@ -17,6 +19,31 @@ def xxh64_block_hash(token_ids: tuple[int, ...], prefix: int | None) -> int:
         h.update(prefix.to_bytes(8, "little"))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.intdigest()
+
+
+def sha256_block_hash(token_ids: tuple[int, ...], prefix: int | None) -> int:
+    """R4 under sha256: the previous hash (32 bytes, big-endian) then int64 LE tokens; the
+    whole 256-bit digest as an int (big-endian), never truncated."""
+    h = hashlib.sha256()
+    if prefix is not None:
+        h.update(prefix.to_bytes(32, "big"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "big")
+
+
+def salt_block(cache_salt: str) -> tuple[int, ...]:
+    """R4s: the tokens of virtual block -1, which stands for the salt: ``-1`` (no real
+    token is negative, so no salt spells out a real block 0), then one token per byte of
+    the salt's UTF-8 encoding. Its hash (prefix None) is block 0's prefix."""
+    return (-1, *cache_salt.encode("utf-8"))
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """R4s: a salt is None or a non-empty str (TypeError / ValueError otherwise)."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    if cache_salt == "":
+        raise ValueError("cache_salt must be a non-empty string")
 
 
 def simple_block_hash(token_ids: tuple[int, ...], prefix: int | None) -> int:

@@ -2,8 +2,10 @@
 
 Prompts are built from runs over a 2-3 token alphabet and from prefixes of earlier prompts,
 so identical blocks, prefix hits, revivals from the free queue, hash-map overwrites and
-evictions happen constantly. ``make_machine`` parameterises the engine side, so the same
-machine runs the real allocator and every mutant in tests/mutants.py.
+evictions happen constantly. Each new sequence draws a cache salt (R4s) from
+``SALTS``, so salted and unsalted copies of one prompt meet, and each run draws the hash
+algorithm. ``make_machine`` parameterises the engine side, so the same machine runs the
+real allocator and every mutant in tests/mutants.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from paged_engine.engine.block_manager import BlockManager, HashFn
 from tests.lockstep import EngineFactory, Lockstep, Pair
 
 BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 256)
+SALTS = (None, "a", "b")
+HASH_ALGORITHMS = ("xxh64", "sha256")
 
 
 def make_machine(
@@ -25,9 +29,14 @@ def make_machine(
     block_sizes: SequenceABC[int] = BLOCK_SIZES,
     max_pool: int = 64,
     misuse: bool = True,
+    hash_algorithms: SequenceABC[str] = HASH_ALGORITHMS,
+    salts: SequenceABC[str | None] = SALTS,
 ) -> type[RuleBasedStateMachine]:
     """A machine class for ``engine_factory``; ``misuse=False`` drops the refused-call rule
-    (so a mutant can only be caught through ordinary scheduler traffic)."""
+    (so a mutant can only be caught through ordinary scheduler traffic). An injected
+    ``hash_fn`` replaces the hash algorithm, so it runs alone."""
+    if hash_fn is not None:
+        hash_algorithms = ("xxh64",)
 
     class AllocatorMachine(RuleBasedStateMachine):
         ls: Lockstep
@@ -36,9 +45,10 @@ def make_machine(
             block_size=st.sampled_from(block_sizes),
             pool=st.one_of(st.integers(1, 8), st.integers(1, max_pool)),
             alphabet=st.integers(2, 3),
+            algorithm=st.sampled_from(hash_algorithms),
         )
-        def setup(self, block_size: int, pool: int, alphabet: int) -> None:
-            self.ls = Lockstep(pool, block_size, engine_factory, hash_fn)
+        def setup(self, block_size: int, pool: int, alphabet: int, algorithm: str) -> None:
+            self.ls = Lockstep(pool, block_size, engine_factory, hash_fn, algorithm)
             self.alphabet = alphabet
             self.pool = pool
             self.prompts: list[list[int]] = []
@@ -73,7 +83,7 @@ def make_machine(
             if not prompt:
                 prompt = [data.draw(self._token())]
             self.prompts.append(prompt)
-            self.ls.add(prompt)
+            self.ls.add(prompt, data.draw(st.sampled_from(salts), label="salt"))
 
         @precondition(lambda self: any(not p.allocated for p in self.ls.pairs))
         @rule(data=st.data())

@@ -8,6 +8,9 @@ two layers of verification share one definition of "the same behaviour" (R11):
 * a call that raises leaves both allocators and the sequence exactly as they were;
 * every live sequence has the same block table and ``num_cached_tokens`` on both sides;
 * snapshots are equal, and R12's invariants hold on both with the live sequences.
+
+The engine's ``hash_algorithm`` is matched on the spec side by the same hash written as
+a plain ``hash_fn`` (``SPEC_HASHES``); sequences may carry a cache salt (R4s).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from typing import Any
 from paged_engine.engine.block_manager import BlockManager, HashFn
 from paged_engine.engine.sequence import Sequence
 from spec.block_manager import BlockManager as SpecBlockManager
-from spec.block_manager import xxh64_block_hash
+from spec.hashing import sha256_block_hash, xxh64_block_hash
 from spec.sequence import SpecSequence
 
 EngineFactory = Callable[..., BlockManager]
+SPEC_HASHES = {"xxh64": xxh64_block_hash, "sha256": sha256_block_hash}
 
 
 @dataclass(slots=True)
@@ -92,10 +96,14 @@ class Lockstep:
         block_size: int,
         engine_factory: EngineFactory = BlockManager,
         hash_fn: HashFn | None = None,
+        hash_algorithm: str = "xxh64",
     ) -> None:
         self.block_size = block_size
-        self.spec = SpecBlockManager(num_blocks, block_size, hash_fn=hash_fn or xxh64_block_hash)
-        self.engine = engine_factory(num_blocks, block_size, hash_fn=hash_fn)
+        spec_hash = hash_fn or SPEC_HASHES[hash_algorithm]
+        self.spec = SpecBlockManager(num_blocks, block_size, hash_fn=spec_hash)
+        self.engine = engine_factory(
+            num_blocks, block_size, hash_fn=hash_fn, hash_algorithm=hash_algorithm
+        )
         self.pairs: list[Pair] = []
         self.check()
 
@@ -137,10 +145,10 @@ class Lockstep:
 
     # ---- operations (each mirrors a scheduler action) ------------------------------------
 
-    def add(self, tokens: list[int]) -> Pair:
+    def add(self, tokens: list[int], cache_salt: str | None = None) -> Pair:
         pair = Pair(
-            SpecSequence(list(tokens), self.block_size),
-            Sequence(tokens, block_size=self.block_size),
+            SpecSequence(list(tokens), self.block_size, cache_salt=cache_salt),
+            Sequence(tokens, block_size=self.block_size, cache_salt=cache_salt),
         )
         self.pairs.append(pair)
         return pair

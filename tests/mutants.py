@@ -119,3 +119,10 @@ def colliding_hash(token_ids: SequenceABC[int], prefix: int | None) -> int:
     """Eight hash values in all: different blocks collide constantly, so the token check
     (R10) decides most lookups."""
     return xxh64_block_hash(token_ids, prefix) % 8
+
+
+class R4sSaltIgnored(BlockManager):
+    """The cache salt is dropped: requests under different salts (tenants) share blocks."""
+
+    def _chain_start(self, seq: Sequence) -> int | None:
+        return None

@@ -5,7 +5,8 @@ Operations are deterministic, so two sequences of operations that reach the same
 (both snapshots and every live sequence) have identical futures; the search is breadth
 first and expands each state once, at the smallest depth it is reached. That covers every
 operation sequence up to DEPTH while doing work proportional to the distinct states.
-Run in tox env ``spec`` (marker ``small_scope``).
+Run in tox env ``spec`` (marker ``small_scope``). A second, shallower search adds salted
+prompts (R4s), under each hash algorithm.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ PROMPTS = [list(p) for n in (1, 2, 3) for p in itertools.product((0, 1), repeat=
 Op = tuple[str, Callable[[Lockstep], object]]
 
 
-def operations(ls: Lockstep) -> Iterator[Op]:
+def operations(ls: Lockstep, salts: tuple[str | None, ...] = (None,)) -> Iterator[Op]:
     """Every operation the scheduler (or a misbehaving caller) could apply in this state."""
     if len(ls.pairs) < MAX_LIVE:
-        for prompt in PROMPTS:
-            yield f"add{prompt}", lambda s, p=prompt: s.add(p)
+        for prompt, salt in itertools.product(PROMPTS, salts):
+            yield f"add{prompt},{salt}", lambda s, p=prompt, c=salt: s.add(p, c)
     for i, pair in enumerate(ls.pairs):
         if not pair.allocated:
             yield f"admit{i}", lambda s, i=i: s.admit(s.pairs[i])
@@ -63,7 +64,8 @@ def state_key(ls: Lockstep) -> object:
     have the same futures (relabelled). A state already checked is not checked again."""
     seqs = sorted(
         tuple(
-            (tuple(s.token_ids), tuple(s.block_table), s.num_cached_tokens)
+            # "" for no salt (never a valid salt): None and str do not sort together
+            (tuple(s.token_ids), tuple(s.block_table), s.num_cached_tokens, s.cache_salt or "")
             for s in (p.spec, p.engine)
         )
         for p in ls.pairs
@@ -71,16 +73,22 @@ def state_key(ls: Lockstep) -> object:
     return ls.spec.snapshot(), ls.engine.snapshot(), tuple(seqs)
 
 
-def explore(num_blocks: int, block_size: int) -> tuple[int, int]:
-    """Breadth-first over all states within DEPTH; returns (states, transitions)."""
-    root = Lockstep(num_blocks, block_size)
+def explore(
+    num_blocks: int,
+    block_size: int,
+    depth: int = DEPTH,
+    salts: tuple[str | None, ...] = (None,),
+    hash_algorithm: str = "xxh64",
+) -> tuple[int, int]:
+    """Breadth-first over all states within ``depth``; returns (states, transitions)."""
+    root = Lockstep(num_blocks, block_size, hash_algorithm=hash_algorithm)
     seen = {state_key(root)}
     frontier = [root]
     transitions = 0
-    for _depth in range(DEPTH):
+    for _depth in range(depth):
         nxt = []
         for ls in frontier:
-            for name, op in operations(ls):
+            for name, op in operations(ls, salts):
                 child = ls.clone()
                 try:
                     op(child)  # compares return values, and refusals' side effects
@@ -102,3 +110,14 @@ def test_spec_and_engine_agree_on_every_short_trace(num_blocks: int, block_size:
     states, transitions = explore(num_blocks, block_size)
     print(f"pool={num_blocks} bs={block_size}: {states} states, {transitions} transitions")
     assert states > 100  # the search really branched
+
+
+# One block size per algorithm keeps this under a minute; the machine mixes the rest.
+@pytest.mark.parametrize(("block_size", "hash_algorithm"), [(1, "xxh64"), (2, "sha256")])
+def test_salted_and_unsalted_prompts_agree_on_every_short_trace(
+    block_size: int, hash_algorithm: str
+) -> None:
+    """Each prompt salted and not: the two meet in a 2-block pool, to depth 5."""
+    states, transitions = explore(2, block_size, 5, (None, "a"), hash_algorithm)
+    print(f"salted pool=2 bs={block_size} {hash_algorithm}: {states} states, {transitions}")
+    assert states > 100

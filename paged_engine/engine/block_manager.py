@@ -22,6 +22,9 @@ snapshots; the tests drive both in lockstep), and built for the scheduler's hot 
   them: there a Python call costs more than the work it wraps.
 * The decode path (``can_append``/``may_append``/``hash_blocks``) is a few integer
   operations per sequence when no block boundary is crossed.
+* The hash is chosen once, in ``__init__``: xxh64 (the default) keeps its fast paths
+  unchanged; ``hash_algorithm="sha256"`` takes the general ones. A cache salt (R4s)
+  costs one check per sequence, where block 0 is hashed.
 
 Rule numbers (R1-R12) refer to ../shared/DESIGN.md.
 """
@@ -32,6 +35,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
+from hashlib import sha256
 from typing import cast
 
 from xxhash import xxh64_intdigest
@@ -39,9 +43,18 @@ from xxhash import xxh64_intdigest
 from paged_engine.engine.allocator_state import AllocatorState
 from paged_engine.engine.sequence import Sequence
 
-__all__ = ["AllocatorState", "BlockManager", "HashFn", "xxh64_block_hash"]
+__all__ = [
+    "HASH_ALGORITHMS",
+    "AllocatorState",
+    "BlockManager",
+    "HashFn",
+    "salt_block",
+    "sha256_block_hash",
+    "xxh64_block_hash",
+]
 
 HashFn = Callable[[SequenceABC[int], "int | None"], int]
+HASH_ALGORITHMS = ("xxh64", "sha256")
 
 _GROUPER_MAX_BLOCK_SIZE = 64
 """Up to this block size, ``map`` over ``block_size`` references to one token iterator
@@ -56,13 +69,32 @@ def xxh64_block_hash(token_ids: SequenceABC[int], prefix: int | None) -> int:
     return xxh64_intdigest(data)
 
 
+def sha256_block_hash(token_ids: SequenceABC[int], prefix: int | None) -> int:
+    """R4 under sha256: the previous hash (32 bytes BE, absent for block 0), then int64 LE
+    tokens; the full 256-bit digest as an int (truncating it would bring back the
+    birthday bound of a 64-bit hash)."""
+    data = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    if prefix is not None:
+        data = prefix.to_bytes(32, "big") + data
+    return int.from_bytes(sha256(data).digest(), "big")
+
+
+def salt_block(cache_salt: str) -> list[int]:
+    """R4s: virtual block -1's tokens: -1 (no real token is negative, so no salt spells
+    out a real block 0), then the salt's UTF-8 bytes, one per token. Its hash is block 0's
+    prefix."""
+    return [-1, *cache_salt.encode("utf-8")]
+
+
 class BlockManager:
     """Owns ``num_blocks`` KV blocks of ``block_size`` tokens (R1).
 
     ``enable_prefix_caching=False`` turns the allocator into a plain paged allocator: no
     block is registered (R8) or looked up (R5). ``hash_fn`` replaces the chained hash (tests
-    inject colliding hashes to exercise R10); sequences cache hashes, so a sequence must
-    only ever be used with allocators sharing one hash function.
+    inject colliding hashes to exercise R10); ``hash_algorithm`` picks R4's hash, "xxh64"
+    or "sha256" (collision resistant, for a cache shared by tenants who must not reach
+    each other's blocks; slower). Pass one of the two. Sequences cache hashes, so a
+    sequence must only ever be used with allocators sharing one hash function.
 
     ``can_allocate`` remembers its last lookup, tagged with a state version that every
     mutation bumps: the ``allocate`` that follows it (and the retries of a request blocked
@@ -77,10 +109,18 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn | None = None,
+        hash_algorithm: str = "xxh64",
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(hash_algorithm, str) or hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(
+                f"hash_algorithm must be one of {HASH_ALGORITHMS}, got {hash_algorithm!r}"
+            )
+        if hash_fn is not None and hash_algorithm != "xxh64":
+            raise ValueError(f"hash_fn replaces hash_algorithm={hash_algorithm!r}: pass one")
+        self.hash_algorithm = hash_algorithm
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -93,6 +133,11 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_fn = hash_fn
+        self._sha256 = hash_algorithm == "sha256"
+        # R4's hash as a function of (tokens, prefix), for the salt block (R4s).
+        self._block_hash: HashFn = hash_fn or (
+            sha256_block_hash if self._sha256 else xxh64_block_hash
+        )
         block_struct = struct.Struct(f"<{block_size}q")  # one full block, int64 LE
         self._pack_block = block_struct.pack
         self._unpack_block = block_struct.unpack
@@ -102,7 +147,10 @@ class BlockManager:
         cls = type(self)
         self._inline_take_hit = cls._take_hit is BlockManager._take_hit
         self._inline_fresh_block = cls._fresh_block is BlockManager._fresh_block
-        self._inline_block_hashes = cls._block_hashes is BlockManager._block_hashes
+        # (The inlined copy is xxh64's: sha256 always calls _block_hashes.)
+        self._inline_block_hashes = (
+            cls._block_hashes is BlockManager._block_hashes and not self._sha256
+        )
         self._version = 0
         self._memo: tuple[Sequence, int, int, list[int], int] | None = None
 
@@ -167,6 +215,11 @@ class BlockManager:
                 packed += [pack(*tokens[o : o + bs]) for o in range(have * bs, stop, bs)]
         return packed
 
+    def _chain_start(self, seq: Sequence) -> int | None:
+        """R4s: block 0's prefix: None without a salt, else the salt block's hash."""
+        salt = seq.cache_salt
+        return None if salt is None else self._block_hash(salt_block(salt), None)
+
     def _block_hashes(self, seq: Sequence, n: int) -> list[int]:
         """The sequence's hash chain, extended to at least its first ``n`` (full) blocks.
 
@@ -179,15 +232,25 @@ class BlockManager:
             return hashes
         if self._hash_fn is not None:
             bs, tokens = self.block_size, seq.token_ids
-            h = hashes[-1] if hashes else None
+            h = hashes[-1] if hashes else self._chain_start(seq)
             for i in range(have, n):
                 h = self._hash_fn(tokens[i * bs : (i + 1) * bs], h)
                 hashes.append(h)
             return hashes
         packed = self._packed_blocks(seq, n)
         append = hashes.append
-        if not have:  # block 0 has no prefix
-            append(xxh64_intdigest(packed[0]))
+        if self._sha256:
+            start = hashes[-1] if hashes else self._chain_start(seq)
+            prev = b"" if start is None else start.to_bytes(32, "big")
+            for data in packed[have:n]:
+                digest = sha256(prev + data).digest()
+                append(int.from_bytes(digest, "big"))
+                prev = digest  # the 32-byte big-endian form of the hash just appended
+            return hashes
+        if not have:  # block 0: no prefix, or the salt block's hash (R4s)
+            start = None if seq.cache_salt is None else self._chain_start(seq)
+            data = packed[0]
+            append(xxh64_intdigest(data if start is None else start.to_bytes(8, "little") + data))
         h = hashes[-1]
         for data in packed[len(hashes) : n]:
             h = xxh64_intdigest(h.to_bytes(8, "little") + data)

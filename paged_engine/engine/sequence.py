@@ -35,9 +35,14 @@ class Sequence:
     ``block_bytes`` likewise caches the full blocks packed the way R4 hashes them (int64
     little-endian, one bytes object per block): the allocator's token check (R10) and
     its record of a registered block's tokens reuse them.
+
+    ``cache_salt`` (R4s): a non-empty string mixed into the hash of block 0, so the
+    sequence shares no block with one under another salt or none (tenant isolation);
+    None for none. Read-only: the cached hashes depend on it.
     """
 
     __slots__ = (
+        "_cache_salt",
         "block_bytes",
         "block_hashes",
         "block_size",
@@ -62,6 +67,7 @@ class Sequence:
         *,
         block_size: int = 16,
         seq_id: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -74,6 +80,10 @@ class Sequence:
         if min(tokens) < 0 or max(tokens) > _INT64_MAX:
             bad = next(t for t in tokens if not 0 <= t <= _INT64_MAX)
             raise ValueError(f"token ids must be in [0, 2**63), got {bad}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        if cache_salt == "":  # as vLLM: "" would read as "no salt", yet isolate like one
+            raise ValueError("cache_salt must be a non-empty string")
         self.seq_id: int = next(_seq_ids) if seq_id is None else seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids: list[int] = tokens
@@ -90,6 +100,7 @@ class Sequence:
         self.sampling_params: SamplingParams = sampling_params or SamplingParams()
         self.block_hashes: list[int] = []
         self.block_bytes: list[bytes] = []
+        self._cache_salt = cache_salt
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -99,6 +110,10 @@ class Sequence:
             f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
             f"cached={self.num_cached_tokens}, table={self.block_table})"
         )
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self._cache_salt
 
     @property
     def num_completion_tokens(self) -> int:
@@ -131,7 +146,8 @@ class Sequence:
         self.num_tokens += 1
 
     # Pickling for workers (seed §3.1): while decoding a worker needs the counters, the
-    # block table and the last token, not thousands of token ids.
+    # block table and the last token, not thousands of token ids. Nor the cache salt:
+    # only the allocator hashes, and it runs in the engine process, never in a worker.
     def __getstate__(self) -> tuple[Any, ...]:
         last: int | list[int] = self.token_ids if self.is_prefill else self.last_token
         return (
@@ -164,3 +180,4 @@ class Sequence:
         self.num_prefix_hit_tokens = None
         self.block_hashes = []
         self.block_bytes = []
+        self._cache_salt = None  # not carried (see __getstate__): workers never hash
