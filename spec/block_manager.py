@@ -1,4 +1,4 @@
-"""Reference model of the block allocator: the simplest code that states rules R1-R12
+"""Reference model of the block allocator: the simplest code that states rules R1-R13
 (and R4s, the cache salt).
 
 Read it beside ../shared/DESIGN.md; each step cites the rule it implements. Speed is no
@@ -216,6 +216,22 @@ class BlockManager:
                 self.free_queue.append(block)
         seq.block_table.clear()
         seq.num_cached_tokens = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """R13: with no block in use, forget every registration (the free queue keeps its
+        order) and return True; with any block in use, change nothing and return False.
+
+        post: __return__ == (__old__.self.used_blocks() == [])
+        post: self.free_queue == __old__.self.free_queue
+        post: not __return__ or (self.hash_to_block == {} and self.block_hashes == [None] * self.num_blocks and self.block_tokens == [()] * self.num_blocks)
+        post: __return__ or self.snapshot() == __old__.self.snapshot()
+        """
+        if self.used_blocks():
+            return False
+        self.hash_to_block.clear()
+        self.block_hashes = [None] * self.num_blocks
+        self.block_tokens = [()] * self.num_blocks
+        return True
 
     def snapshot(self) -> AllocatorState:
         """R11."""

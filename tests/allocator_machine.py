@@ -4,8 +4,9 @@ Prompts are built from runs over a 2-3 token alphabet and from prefixes of earli
 so identical blocks, prefix hits, revivals from the free queue, hash-map overwrites and
 evictions happen constantly. Each new sequence draws a cache salt (R4s) from
 ``SALTS``, so salted and unsalted copies of one prompt meet, and each run draws the hash
-algorithm. ``make_machine`` parameterises the engine side, so the same machine runs the
-real allocator and every mutant in tests/mutants.py.
+algorithm. Prefix-cache resets (R13) come both refused and granted. ``make_machine``
+parameterises the engine side, so the same machine runs the real allocator and every
+mutant in tests/mutants.py.
 """
 
 from __future__ import annotations
@@ -117,6 +118,24 @@ def make_machine(
             for _ in range(steps):
                 for pair in [p for p in self.ls.pairs if p.decoding]:
                     self.ls.decode(pair, data.draw(self._token()))
+
+        @precondition(lambda self: bool(self.ls.spec.hash_to_block))  # something to forget
+        @rule(data=st.data(), drain=st.booleans(), look_up=st.booleans())
+        def reset_prefix_cache(self, data: st.DataObject, drain: bool, look_up: bool) -> None:
+            """R13. vLLM resets when idle, so half the time every sequence is preempted
+            first; otherwise it is refused while any holds blocks. A waiting request may
+            have been looked up just before and not admitted (the token budget ran out):
+            the scheduler's next step admits it, and must not reuse that lookup."""
+            if drain:
+                for pair in [p for p in self.ls.pairs if p.allocated]:
+                    self.ls.release(pair, finished=False)
+            waiting = [p for p in self.ls.pairs if not p.allocated]
+            pair = data.draw(st.sampled_from(waiting), label="looked up") if waiting else None
+            if look_up and pair is not None:
+                self.ls.both(pair, lambda bm, s: bm.can_allocate(s))
+            self.ls.reset_prefix_cache()
+            if look_up and pair is not None:
+                self.ls.admit(pair)
 
         # Misuse: both sides must refuse alike and change nothing. One rule for all kinds,
         # so that misuse stays a minority of the steps.

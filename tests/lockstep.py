@@ -193,6 +193,21 @@ class Lockstep:
         if finished:
             self.pairs.remove(pair)
 
+    def reset_prefix_cache(self) -> bool:
+        """R13 on both sides: the same answer and snapshot; True forgets every registration
+        and keeps the free queue's order, False changes nothing."""
+        before = self.spec.snapshot()
+        reset = self.both(None, lambda bm, s: bm.reset_prefix_cache())
+        after = self.spec.snapshot()
+        assert self.engine.snapshot() == after, "spec and engine reset differently"
+        if not reset:
+            assert after == before, "a refused reset changed the allocator"
+        else:
+            assert after.free_queue == before.free_queue, "the reset reordered the free queue"
+            assert after.hash_to_block == (), "the reset kept hash map entries"
+            assert set(after.block_hashes) == {None} and set(after.block_tokens) == {()}
+        return bool(reset)
+
     # ---- misuse: both must refuse the same way and change nothing ------------------------
 
     def allocate_wrong(self, pair: Pair, delta: int) -> None:

@@ -7,6 +7,7 @@ proof that the machine can catch that class of bug.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -126,3 +127,36 @@ class R4sSaltIgnored(BlockManager):
 
     def _chain_start(self, seq: Sequence) -> int | None:
         return None
+
+
+class R13KeepsBlockHashes(BlockManager):
+    """The reset empties the hash map but leaves each block's hash and tokens behind."""
+
+    def reset_prefix_cache(self) -> bool:
+        hashes, tokens = list(self.block_hashes), list(self.block_tokens)
+        reset = super().reset_prefix_cache()
+        self.block_hashes[:], self.block_tokens[:] = hashes, tokens
+        return reset
+
+
+class R13ResetWhileInUse(BlockManager):
+    """The reset goes ahead while sequences hold blocks (vLLM refuses while requests run)."""
+
+    def reset_prefix_cache(self) -> bool:
+        free = self.free_blocks
+        self.free_blocks = OrderedDict.fromkeys(range(self.num_blocks))  # all look free
+        try:
+            return super().reset_prefix_cache()
+        finally:
+            self.free_blocks = free
+
+
+class R13KeepsRememberedLookup(BlockManager):
+    """The reset leaves the state version alone, so a lookup remembered from before it
+    (``can_allocate``'s memo) still counts hits on blocks that no longer hold anything."""
+
+    def reset_prefix_cache(self) -> bool:
+        version = self._version
+        reset = super().reset_prefix_cache()
+        self._version = version
+        return reset

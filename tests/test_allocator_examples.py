@@ -1,6 +1,6 @@
 """Hand-written allocator cases: the seed's worked examples, R4's exact bytes, the hash
-cache, and every misuse refused with state left exactly as it was. Each case runs on both
-the spec and the engine."""
+cache, R13's reset, and every misuse refused with state left exactly as it was. Each case
+runs on both the spec and the engine."""
 
 from __future__ import annotations
 
@@ -192,6 +192,52 @@ def test_pickled_decoding_sequence_carries_only_counters_table_and_last_token() 
     assert len(blob) < 1200  # 4097 token ids would take over 8 KB
     assert back.token_ids == [] and back.last_token == 7 and len(back) == 4097
     assert back.block_table == seq.block_table and not back.is_prefill
+
+
+# ---- R13: reset_prefix_cache -----------------------------------------------------------------
+
+
+def test_reset_forgets_every_registration_and_keeps_the_free_queue(impl: tuple[Any, Any]) -> None:
+    bm_cls, make = impl
+    bm = bm_cls(6, 2)
+    a = make([1, 2, 3, 4, 5], 2)
+    prefill(bm, a)  # blocks 0-2; 0 = [1, 2] and 1 = [3, 4] registered
+    bm.deallocate(a)  # last first: the free queue is 3, 4, 5, 2, 1, 0
+    b = make([1, 2, 3, 4, 6], 2)
+    assert bm.can_allocate(b) == 2  # looked up, not admitted: the lookup is remembered
+    assert bm.reset_prefix_cache() is True
+    state = bm.snapshot()
+    assert state.free_queue == (3, 4, 5, 2, 1, 0)
+    assert state.hash_to_block == ()
+    assert state.block_hashes == (None,) * 6 and state.block_tokens == ((),) * 6
+    assert state.ref_counts == (0,) * 6
+    # No hits, and fresh blocks from the head of the queue (without the reset: [0, 1, 3]).
+    assert bm.can_allocate(b) == 0
+    bm.allocate(b, 0)
+    assert b.block_table == [3, 4, 5] and b.num_cached_tokens == 0
+
+
+def test_reset_while_a_sequence_holds_blocks_is_refused_and_changes_nothing(
+    impl: tuple[Any, Any],
+) -> None:
+    bm_cls, make = impl
+    bm = bm_cls(6, 2)
+    a = make([1, 2, 3, 4, 5], 2)
+    prefill(bm, a)  # blocks 0-2, held
+    c = make([7, 7, 7], 2)
+    prefill(bm, c)  # blocks 3 (registered [7, 7]) and 4
+    bm.deallocate(c)  # a free block still registered: free queue 5, 4, 3
+    before = bm.snapshot()
+    assert bm.reset_prefix_cache() is False
+    assert bm.snapshot() == before
+    b = make([1, 2, 3, 4, 6], 2)
+    assert prefill(bm, b) == 2 and b.block_table == [0, 1, 5]  # a's blocks still hit
+    d = make([7, 7, 8], 2)
+    assert prefill(bm, d) == 1 and d.block_table == [3, 4]  # and so does the free one
+    for s in (a, b, d):
+        bm.deallocate(s)
+    assert bm.reset_prefix_cache() is True  # once every block is free
+    assert bm.snapshot().hash_to_block == ()
 
 
 # ---- misuse: a clear error, and nothing changed ----------------------------------------------

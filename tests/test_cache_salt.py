@@ -9,14 +9,14 @@ import hashlib
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
 import xxhash
 
-from paged_engine.config import EngineConfig
-from paged_engine.engine.block_manager import BlockManager, xxh64_block_hash
+from paged_engine.config import PREFIX_CACHE_HASHES, EngineConfig, PrefixCacheHash
+from paged_engine.engine.block_manager import HASH_ALGORITHMS, BlockManager, xxh64_block_hash
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.sequence import Sequence
 from spec.block_manager import BlockManager as SpecBlockManager
@@ -212,6 +212,19 @@ def test_a_collision_never_serves_a_block_whose_own_tokens_differ(side: Kit) -> 
     assert max(bm.snapshot().ref_counts) == 1
 
 
+def test_a_reset_forgets_salted_chains_too(kit: Kit) -> None:
+    """R13 under either hash: a salted prompt cached before the reset misses after it."""
+    bm = kit.bm(4, 2)
+    a = kit.seq([1, 2, 3], 2, "tenant")
+    prefill(bm, a)  # blocks 0 (registered under the salted chain) and 1
+    bm.deallocate(a)  # free queue 2, 3, 1, 0
+    again = kit.seq([1, 2, 3], 2, "tenant")
+    assert bm.can_allocate(again) == 1
+    assert bm.reset_prefix_cache() is True
+    assert bm.snapshot().hash_to_block == ()
+    assert prefill(bm, again) == 0 and again.block_table == [2, 3]
+
+
 # ---- bad input: a clear error, nothing changed -----------------------------------------------
 
 
@@ -257,6 +270,14 @@ def test_the_salt_stays_out_of_the_compact_worker_state() -> None:
 def test_an_unknown_hash_algorithm_is_refused(alg: Any) -> None:
     with pytest.raises(ValueError, match="hash_algorithm must be one of"):
         BlockManager(4, 2, hash_algorithm=alg)
+
+
+def test_the_config_offers_exactly_the_allocators_hashes() -> None:
+    """One list: EngineConfig validates against the table BlockManager picks from."""
+    assert PREFIX_CACHE_HASHES is HASH_ALGORITHMS == ("xxh64", "sha256")
+    assert get_args(PrefixCacheHash) == HASH_ALGORITHMS
+    for alg in HASH_ALGORITHMS:
+        assert BlockManager(2, 2, hash_algorithm=alg).hash_algorithm == alg
 
 
 def test_a_hash_fn_with_another_algorithm_is_refused() -> None:

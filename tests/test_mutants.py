@@ -24,6 +24,9 @@ CASES = [
     (mutants.R10NoTokenVerification, {"hash_fn": mutants.colliding_hash}),
     (mutants.R7ModOneGrowth, {"block_sizes": (1,)}),
     (mutants.R4sSaltIgnored, {}),
+    (mutants.R13KeepsBlockHashes, {}),
+    (mutants.R13ResetWhileInUse, {}),
+    (mutants.R13KeepsRememberedLookup, {}),
 ]
 
 # No shrinking: we only need to know that a failing run exists, not its smallest form.
