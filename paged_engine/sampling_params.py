@@ -1,9 +1,15 @@
-"""Per-request sampling settings, validated when built so a bad request never reaches a step."""
+"""Per-request sampling settings, validated when built so a bad request never reaches a step.
+
+Names, defaults and ranges are vLLM's (``vllm.SamplingParams``); the differences are
+listed in ``SamplingParams``' docstring.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from enum import Enum
 from typing import Any
 
 GREEDY_BELOW = 1e-5
@@ -14,6 +20,19 @@ is the argmax one anyway."""
 SEED_MODULUS = 2**64
 """Seeds are reduced modulo this (the range of ``torch.Generator.manual_seed``), so any
 int is a seed and seeds congruent modulo ``2**64`` sample the same tokens."""
+
+
+class RequestOutputKind(Enum):
+    """What ``LLMEngine.step()`` reports for a running request (vLLM's names).
+
+    CUMULATIVE: everything so far, every step it produced a token (the default);
+    DELTA: only the tokens and text new since its last output (what a server streams);
+    FINAL_ONLY: nothing until it finishes (what ``generate`` needs; no per-step cost).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _finite_float(name: str, x: object) -> float:
@@ -30,68 +49,212 @@ def _finite_float(name: str, x: object) -> float:
     return value
 
 
+def _float_in(name: str, x: object, low: float, high: float) -> float:
+    value = _finite_float(name, x)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {x!r}")
+    return value
+
+
 def _int(name: str, x: object) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{name} must be an int, got {x!r}")
     return x
 
 
+def _optional_count(name: str, x: object) -> int | None:
+    """None, or an int >= 0."""
+    if x is None:
+        return None
+    value = _int(name, x)
+    if value < 0:
+        raise ValueError(f"{name} must be None or an int >= 0, got {x!r}")
+    return value
+
+
+def _bool(name: str, x: object) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {x!r}")
+    return x
+
+
+def _token_ids(name: str, x: object) -> tuple[int, ...]:
+    """A sequence of ints >= 0 as a tuple, duplicates dropped (first kept), as vLLM."""
+    if isinstance(x, str | bytes | Mapping) or not hasattr(x, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {x!r}")
+    ids = tuple(x)
+    for t in ids:
+        if _int(f"each of {name}", t) < 0:
+            raise ValueError(f"{name} must hold ints >= 0, got {t!r}")
+    return tuple(dict.fromkeys(ids))
+
+
+def _stop_strings(x: object) -> tuple[str, ...]:
+    """None, one string or a sequence of strings, as a tuple of non-empty strings."""
+    if x is None:
+        return ()
+    if isinstance(x, str):
+        x = (x,)
+    if isinstance(x, bytes | Mapping) or not hasattr(x, "__iter__"):
+        raise TypeError(f"stop must be None, a str or a sequence of str, got {x!r}")
+    stops = tuple(x)
+    for s in stops:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must hold only strings, got {s!r}")
+        if not s:
+            raise ValueError("stop cannot contain an empty string")
+    return stops
+
+
+def _logit_bias(x: object) -> tuple[tuple[int, float], ...] | None:
+    """None or a mapping token id (int >= 0) -> finite float, as ``(id, bias)`` pairs
+    sorted by id (hashable, and equal whatever the mapping's order); ``{}`` is None."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):  # already normalised (dataclasses.replace passes it back)
+        try:
+            x = dict(x)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"logit_bias as a tuple must hold (id, bias) pairs, got {x!r}"
+            ) from None
+    if not isinstance(x, Mapping):
+        raise TypeError(f"logit_bias must be None or a dict of token id -> float, got {x!r}")
+    pairs = []
+    for token, bias in x.items():
+        if _int("each logit_bias key (token id)", token) < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+        pairs.append((token, _finite_float(f"logit_bias[{token}]", bias)))
+    return tuple(sorted(pairs)) or None
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each next token, and when to stop.
+    """How to pick each next token, and when to stop (vLLM's fields and defaults).
+
+    Sampling, applied in vLLM's order (``layers/sampler.py``): ``min_tokens`` (while fewer
+    than that many tokens are generated, every eos id and ``stop_token_ids`` get -inf,
+    also under ``ignore_eos``), ``logit_bias`` (added), ``repetition_penalty`` (over the
+    prompt and the output: positive logits divided by it, negative ones multiplied),
+    ``frequency_penalty`` × count and ``presence_penalty`` × (count > 0) subtracted over
+    the output only; then temperature, ``min_p``, ``top_k``, ``top_p``, draw. Greedy
+    decoding is the argmax of the logits after ``logit_bias`` and the penalties.
 
     ``temperature`` below ``GREEDY_BELOW`` (1e-5, vLLM's threshold; 0 in particular) is
     greedy decoding (argmax, first index on ties), which exact oracles need; it is stored
     as a float. ``top_k`` of None, 0 or -1 (vLLM's spellings) keeps every token and is
     stored as None; a ``top_k`` larger than the vocabulary keeps every token too.
-    ``top_p == 1`` disables nucleus sampling. ``seed`` (any int, reduced modulo
-    ``SEED_MODULUS``) makes one request's samples reproducible whatever else is batched
-    with it: seeds ``s`` and ``s + 2**64`` sample the same tokens.
+    ``top_p == 1`` disables nucleus sampling, ``min_p == 0`` min-p sampling (tokens less
+    likely than ``min_p`` times the most likely one are dropped). ``seed`` (any int,
+    reduced modulo ``SEED_MODULUS``) makes one request's samples reproducible whatever
+    else is batched with it: seeds ``s`` and ``s + 2**64`` sample the same tokens.
+
+    Stopping and output: ``max_tokens`` (None: up to ``max_model_len``), ``stop`` (strings,
+    normalised to a tuple), ``stop_token_ids`` (a tuple), ``include_stop_str_in_output``,
+    ``ignore_eos``, ``n`` completions per prompt, ``logprobs`` / ``prompt_logprobs`` (how
+    many most likely tokens to report beside the chosen one, from the model's raw
+    distribution), ``detokenize``, ``skip_special_tokens``. ``logit_bias`` is stored as
+    ``(token_id, bias)`` pairs sorted by id, so the record stays frozen and hashable.
+    ``output_kind`` says what ``LLMEngine.step()`` reports while the request runs.
+
+    Unlike vLLM: booleans are never ints (``logprobs=True`` is refused, not 1), ``-1`` is
+    not "the whole vocabulary" for ``logprobs``, a seed of -1 is a seed, temperatures
+    are neither raised to 0.01 nor capped at 2, and ``logit_bias`` keys must be ints
+    (the OpenAI layer converts JSON's strings, and clamps biases to [-100, 100]).
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float = 1.0
-    max_tokens: int = 64
+    max_tokens: int | None = 16
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         t = _finite_float("temperature", self.temperature)
         if t < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        object.__setattr__(self, "temperature", t)
+        self._set("temperature", t)
         if self.top_k is not None:
             k = _int("top_k", self.top_k)
             if k < -1:
                 raise ValueError(f"top_k must be None, 0 or -1 (disabled) or >= 1, got {k!r}")
             if k <= 0:
-                object.__setattr__(self, "top_k", None)
+                self._set("top_k", None)
         p = _finite_float("top_p", self.top_p)
         if not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "top_p", p)
-        if _int("max_tokens", self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        stops = self.stop_token_ids
-        if isinstance(stops, str | bytes) or not hasattr(stops, "__iter__"):
-            raise TypeError(f"stop_token_ids must be a sequence of ints, got {stops!r}")
-        stops = tuple(stops)
-        for s in stops:
-            if _int("each of stop_token_ids", s) < 0:
-                raise ValueError(f"stop_token_ids must hold ints >= 0, got {s!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
+        self._set("top_p", p)
+        self._set("min_p", _float_in("min_p", self.min_p, 0.0, 1.0))
+        if self.max_tokens is not None and _int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be None or >= 1, got {self.max_tokens!r}")
+        if _int("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens!r}"
+            )
+        if _int("n", self.n) < 1:
+            raise ValueError(f"n must be >= 1, got {self.n!r}")
+        if self.n > 1 and self.greedy:
+            raise ValueError(f"n must be 1 for greedy sampling (temperature 0), got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._set(name, _float_in(name, getattr(self, name), -2.0, 2.0))
+        r = _finite_float("repetition_penalty", self.repetition_penalty)
+        if r <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        self._set("repetition_penalty", r)
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "detokenize",
+            "skip_special_tokens",
+        ):
+            _bool(name, getattr(self, name))
+        self._set("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        self._set("stop", _stop_strings(self.stop))
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they match the text)")
+        self._set("logprobs", _optional_count("logprobs", self.logprobs))
+        self._set("prompt_logprobs", _optional_count("prompt_logprobs", self.prompt_logprobs))
+        self._set("logit_bias", _logit_bias(self.logit_bias))
         if self.seed is not None:
             _int("seed", self.seed)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
         """Argmax decoding: ``temperature < GREEDY_BELOW`` (the sampler never divides by
         such a temperature)."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the repetition, frequency or presence penalties is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:

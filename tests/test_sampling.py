@@ -7,6 +7,7 @@ Through the real model (the tiny Qwen3): tests/test_sampling_faults.py.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -56,13 +57,85 @@ from paged_engine.sampling_params import SamplingParams
         ("seed", 1.5, TypeError),
         ("seed", "3", TypeError),
         ("seed", True, TypeError),
+        ("max_tokens", 0.0, TypeError),
+        *[("n", v, e) for v, e in [(0, ValueError), (-1, ValueError), (2.0, TypeError)]],
+        ("n", True, TypeError),
+        ("n", None, TypeError),
+        *[
+            (name, v, e)
+            for name in ("presence_penalty", "frequency_penalty")
+            for v, e in [
+                (2.0001, ValueError),
+                (-2.5, ValueError),
+                (math.nan, ValueError),
+                (math.inf, ValueError),
+                ("1", TypeError),
+                (None, TypeError),
+                (True, TypeError),
+            ]
+        ],
+        *[
+            ("repetition_penalty", v, e)
+            for v, e in [
+                (0, ValueError),
+                (0.0, ValueError),
+                (-1.0, ValueError),
+                (math.inf, ValueError),
+                (math.nan, ValueError),
+                ("1.1", TypeError),
+                (None, TypeError),
+            ]
+        ],
+        *[
+            ("min_p", v, e)
+            for v, e in [(-0.01, ValueError), (1.01, ValueError), (math.nan, ValueError)]
+        ],
+        ("min_p", "0.1", TypeError),
+        ("stop", 5, TypeError),
+        ("stop", b"x", TypeError),
+        ("stop", ["ok", 3], TypeError),
+        ("stop", "", ValueError),
+        ("stop", ["a", ""], ValueError),
+        ("stop", {"a": 1}, TypeError),
+        ("include_stop_str_in_output", 1, TypeError),
+        ("include_stop_str_in_output", None, TypeError),
+        *[("min_tokens", v, e) for v, e in [(-1, ValueError), (1.0, TypeError), (None, TypeError)]],
+        ("min_tokens", 17, ValueError),  # beyond the default max_tokens (16)
+        ("min_tokens", True, TypeError),
+        *[
+            (name, v, e)
+            for name in ("logprobs", "prompt_logprobs")
+            for v, e in [(-1, ValueError), (-5, ValueError), (1.0, TypeError), (True, TypeError)]
+        ],
+        ("logprobs", "3", TypeError),
+        ("detokenize", 0, TypeError),
+        ("detokenize", "no", TypeError),
+        ("skip_special_tokens", 1, TypeError),
+        ("skip_special_tokens", None, TypeError),
+        ("logit_bias", [1, 2], TypeError),
+        ("logit_bias", "a", TypeError),
+        ("logit_bias", {"5": 1.0}, TypeError),  # JSON's string keys: convert first
+        ("logit_bias", {5.0: 1.0}, TypeError),
+        ("logit_bias", {True: 1.0}, TypeError),
+        ("logit_bias", {-1: 1.0}, ValueError),
+        ("logit_bias", {5: math.inf}, ValueError),
+        ("logit_bias", {5: -math.inf}, ValueError),
+        ("logit_bias", {5: math.nan}, ValueError),
+        ("logit_bias", {5: "1"}, TypeError),
+        ("logit_bias", {5: None}, TypeError),
+        ("logit_bias", ((5,),), TypeError),
     ],
 )
 def test_every_refusal_names_its_field(field: str, value: Any, exc: type[Exception]) -> None:
-    with pytest.raises(exc, match=field):
-        SamplingParams(**{field: value})
-    with pytest.raises(exc, match=field):  # the same through a mapping
-        SamplingParams.from_dict({field: value})
+    for build in (
+        lambda: SamplingParams(**{field: value}),
+        lambda: SamplingParams.from_dict({field: value}),
+    ):
+        with pytest.raises(exc, match=field) as refused:
+            build()
+        # the value refused, not the field unknown
+        assert "unexpected keyword" not in str(refused.value)
+        assert "unknown sampling parameter" not in str(refused.value)
 
 
 def test_from_dict_names_an_unknown_key() -> None:
@@ -83,6 +156,69 @@ def test_accepted_values_are_kept_and_numbers_stored_as_floats() -> None:
     assert type(huge.top_p) is float and huge.top_p == 1.0
     assert SamplingParams(seed=-5).seed == -5
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"n": 2, "temperature": 0}, "n"),  # vLLM: greedy decoding has one answer
+        ({"stop": ["x"], "detokenize": False}, "stop"),
+    ],
+)
+def test_combinations_vllm_refuses_are_refused(values: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**values)
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict(values)
+
+
+def test_vllm_defaults() -> None:
+    p = SamplingParams()
+    assert (p.n, p.max_tokens, p.min_tokens, p.logprobs, p.prompt_logprobs) == (
+        1,
+        16,
+        0,
+        None,
+        None,
+    )
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0, 0, 1, 0)
+    assert (p.stop, p.include_stop_str_in_output, p.detokenize, p.skip_special_tokens) == (
+        (),
+        False,
+        True,
+        True,
+    )
+    assert p.logit_bias is None and not p.has_penalties
+
+
+def test_new_values_are_normalised_and_kept() -> None:
+    assert SamplingParams(stop="end").stop == ("end",)
+    assert SamplingParams(stop=["a", "bb", "a"]).stop == ("a", "bb", "a")
+    assert SamplingParams(stop=None) == SamplingParams()
+    assert SamplingParams(stop_token_ids=[4, 3, 4]).stop_token_ids == (4, 3)  # as vLLM
+    assert SamplingParams(max_tokens=None, min_tokens=10**6).max_tokens is None
+    assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
+    p = SamplingParams(logprobs=0, prompt_logprobs=20, n=3, presence_penalty=-2, min_p=1)
+    assert (p.logprobs, p.prompt_logprobs, p.n) == (0, 20, 3)
+    assert type(p.presence_penalty) is float and type(p.min_p) is float
+    assert SamplingParams(repetition_penalty=1e-9).has_penalties
+
+
+def test_logit_bias_is_stored_as_sorted_pairs_and_stays_hashable() -> None:
+    a = SamplingParams(logit_bias={9: -1, 2: 0.5, 3000: 100.0})
+    b = SamplingParams(logit_bias={3000: 100, 2: 0.5, 9: -1.0})
+    assert a.logit_bias == ((2, 0.5), (9, -1.0), (3000, 100.0))
+    assert a == b and hash(a) == hash(b)
+    assert all(type(v) is float for _, v in a.logit_bias)
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert replace(a, temperature=0.5).logit_bias == a.logit_bias  # the stored form again
+    assert len({a, b, SamplingParams()}) == 2
+
+
+def test_a_refused_logit_bias_names_the_bad_entry() -> None:
+    with pytest.raises(ValueError, match=r"logit_bias\[7\] must be finite"):
+        SamplingParams(logit_bias={1: 1.0, 7: math.nan})
 
 
 @pytest.mark.parametrize(

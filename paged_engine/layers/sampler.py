@@ -1,11 +1,18 @@
-"""Next-token selection for a batch: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Next-token selection for a batch, in vLLM's order: min_tokens, logit_bias and the
+penalties (``logits_processors.py``), then greedy or temperature, min_p, top-k, top-p and a
+draw with per-request seeds."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
+from paged_engine.layers.logits_processors import (
+    TokenHistory,
+    apply_logits_processors,
+    processes,
+)
 from paged_engine.sampling_params import SamplingParams
 
 _MIN_EXPONENTIAL = 1e-10
@@ -23,7 +30,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
 
 
 def _needs_filter(p: SamplingParams, vocab: int) -> bool:
-    return (p.top_k is not None and p.top_k < vocab) or p.top_p < 1.0
+    return (p.top_k is not None and p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0
 
 
 def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -38,15 +45,15 @@ def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
 
 
-def _softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    return torch.softmax(_scaled(logits, params), dim=-1)
-
-
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, then top-p over the renormalised top-k; vocabulary order.
+    """Temperature, min_p, top-k, then top-p over the renormalised survivors; vocabulary
+    order.
 
-    Both filters keep a prefix of the tokens sorted by logit, so they work on the sorted
-    row and the result is scattered back. The most likely token is always kept.
+    vLLM's order: min_p drops the tokens less likely than ``min_p`` times the most likely
+    one in the temperature-scaled distribution (transformers' ``MinPLogitsWarper``), before
+    top-k and top-p. All three keep a prefix of the tokens sorted by logit, so they work
+    on the sorted row and the result is scattered back. The most likely token is always
+    kept.
     """
     device, vocab = logits.device, logits.shape[1]
     # top_k may be any int >= 1: clamped to the vocabulary before it becomes a tensor
@@ -54,22 +61,54 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
     sorted_logits, order = _scaled(logits, params).sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=device)[None, :]
-    probs = torch.softmax(sorted_logits.masked_fill(ranks >= top_k, float("-inf")), dim=-1)
+    drop = ranks >= top_k
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        full = torch.softmax(sorted_logits, dim=-1)
+        drop |= full < min_p * full[:, :1]  # the first sorted token is the most likely
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before >= top_p) & (top_p < 1.0) & (ranks > 0)
     probs = probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of ``logits`` ``[R, V]`` is drawn from under its
+    (non-greedy) params: temperature, then min_p, top-k and top-p where they filter.
+
+    Rows are grouped by whether they filter, never mixed, so each row's probabilities
+    depend only on its own logits and params."""
+    vocab = logits.shape[1]
+    probs = torch.empty_like(logits)
+    for wants_filter in (False, True):
+        group = [j for j, p in enumerate(params) if _needs_filter(p, vocab) == wants_filter]
+        if len(group) == len(params):
+            return _filtered_probs(logits, params) if wants_filter else _softmax(logits, params)
+        if group:
+            at = torch.tensor(group, device=logits.device)
+            fn = _filtered_probs if wants_filter else _softmax
+            probs[at] = fn(logits[at], [params[j] for j in group])
+    return probs
+
+
+def _softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    return torch.softmax(_scaled(logits, params), dim=-1)
+
+
 class Sampler:
     """Picks one token per row of ``logits`` from that request's ``SamplingParams``.
 
     A row whose logits are not all finite (NaN or inf, e.g. from broken weights) gets None,
-    never a token: whatever argmax or a draw would pick from it is meaningless. Greedy
-    params (``temperature < GREEDY_BELOW``, never divided by) are argmax (first index on
-    ties). Otherwise the order is that of transformers' and vLLM's samplers: temperature,
-    top-k, top-p, draw. Every row's probabilities depend only on its own logits and params
-    (rows are grouped by whether they filter, never mixed), and a row with a
+    never a token: whatever argmax or a draw would pick from it is meaningless. The check
+    reads the model's own logits, before min_tokens or a bias bring in their -inf; a row
+    whose processing leaves no token at all (every one -inf) gets None too.
+
+    Rows that use min_tokens, logit_bias or a penalty are processed first (a copy of just
+    those rows; see ``logits_processors.py``); greedy params (``temperature <
+    GREEDY_BELOW``, never divided by) are then the argmax (first index on ties), and the
+    rest are drawn after temperature, min_p, top-k and top-p (vLLM's order). Every row's
+    probabilities depend only on its own logits, params and history, and a row with a
     ``torch.Generator`` draws its noise alone from it in vocabulary order, so a seeded
     request samples the same tokens whatever else shares the batch. Unseeded rows draw
     together.
@@ -80,52 +119,70 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory | None] | None = None,
+        eos_token_ids: Collection[int] = (),
     ) -> list[int | None]:
         """``logits`` ``[B, V]`` → ``B`` token ids, None for a row that is not all finite.
 
-        One device-to-host transfer per call; an all-greedy batch costs an argmax and the
-        finiteness check.
+        ``histories[i]`` is row ``i``'s sequence so far (its prompt and output tokens),
+        needed by rows with penalties or min_tokens; ``eos_token_ids`` are the ids
+        min_tokens masks beside each row's ``stop_token_ids``.
+
+        One device-to-host transfer per call; an all-greedy batch without processors
+        costs an argmax and the finiteness check.
         """
         batch = logits.shape[0]
-        if len(params) != batch or len(generators) != batch:
+        hist = [None] * batch if histories is None else histories
+        if len(params) != batch or len(generators) != batch or len(hist) != batch:
             raise ValueError(
-                f"{batch} logit rows but {len(params)} params and {len(generators)} generators"
+                f"{batch} logit rows but {len(params)} params, {len(generators)} generators "
+                f"and {len(hist)} histories"
             )
         logits = logits.float()
+        ok = torch.isfinite(logits).all(dim=-1)
         tokens = logits.argmax(dim=-1)
+        active = [i for i in range(batch) if processes(params[i], hist[i])]
+        processed = None
+        if active:
+            at = torch.tensor(active, device=logits.device)
+            processed = apply_logits_processors(
+                logits[at], [params[i] for i in active], [hist[i] for i in active], eos_token_ids
+            )
+            tokens[at] = processed.argmax(dim=-1)
+            ok[at] = ok[at] & (processed.amax(dim=-1) > float("-inf"))
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
-            self._sample(logits, tokens, sampled, params, generators)
-        # one transfer: non-finite rows come back as -1, which no token id is
-        tokens.masked_fill_(~torch.isfinite(logits).all(dim=-1), -1)
+            rows = logits[torch.tensor(sampled, device=logits.device)]
+            if processed is not None:
+                where = {i: j for j, i in enumerate(active)}
+                both = [(k, where[i]) for k, i in enumerate(sampled) if i in where]
+                if both:
+                    into, src = zip(*both, strict=True)
+                    dev = logits.device
+                    rows[torch.tensor(into, device=dev)] = processed[torch.tensor(src, device=dev)]
+            picked = self._sample(
+                rows, [params[i] for i in sampled], [generators[i] for i in sampled]
+            )
+            tokens[torch.tensor(sampled, device=logits.device)] = picked
+        # one transfer: failed rows come back as -1, which no token id is
+        tokens.masked_fill_(~ok, -1)
         return [t if t >= 0 else None for t in tokens.tolist()]
 
     @staticmethod
     def _sample(
         logits: torch.Tensor,
-        tokens: torch.Tensor,
-        sampled: list[int],
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> None:
-        """Overwrite ``tokens[sampled]`` with draws (a NaN row draws garbage, never fails)."""
-        device, vocab = logits.device, logits.shape[1]
-        probs = torch.empty(len(sampled), vocab, device=device)
-        for wants_filter, fn in ((False, _softmax), (True, _filtered_probs)):
-            group = [
-                j for j, i in enumerate(sampled) if _needs_filter(params[i], vocab) == wants_filter
-            ]
-            if group:
-                rows = torch.tensor([sampled[j] for j in group], device=device)
-                probs[torch.tensor(group, device=device)] = fn(
-                    logits[rows], [params[sampled[j]] for j in group]
-                )
-        picked = torch.empty(len(sampled), dtype=torch.long, device=device)
-        unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
+    ) -> torch.Tensor:
+        """One draw per row (a NaN row draws garbage, never fails)."""
+        probs = probabilities(logits, params)
+        device = logits.device
+        picked = torch.empty(len(params), dtype=torch.long, device=device)
+        unseeded = [j for j, g in enumerate(generators) if g is None]
         if unseeded:
             sel = torch.tensor(unseeded, device=device)
             picked[sel] = _draw(probs[sel], None)
-        for j, i in enumerate(sampled):
-            if generators[i] is not None:
-                picked[j] = _draw(probs[j : j + 1], generators[i])[0]
-        tokens[torch.tensor(sampled, device=device)] = picked
+        for j, g in enumerate(generators):
+            if g is not None:
+                picked[j] = _draw(probs[j : j + 1], g)[0]
+        return picked

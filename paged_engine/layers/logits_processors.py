@@ -1,0 +1,155 @@
+"""The logit processors that can change even a greedy choice, in vLLM's order: min_tokens,
+logit_bias, then the repetition, frequency and presence penalties.
+
+Only rows that use one of them come here (``processes``); the rest of a batch pays nothing.
+Each row's result depends only on its own logits, params and history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+import torch
+
+from paged_engine.sampling_params import SamplingParams
+
+
+class TokenHistory(Protocol):
+    """What the processors read of a sequence: its tokens so far, the prompt first
+    (``engine.sequence.Sequence`` is one)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+def _num_output(history: TokenHistory) -> int:
+    return len(history.token_ids) - history.num_prompt_tokens
+
+
+def _masks_stops(params: SamplingParams, history: TokenHistory) -> bool:
+    return _num_output(history) < params.min_tokens
+
+
+def processes(params: SamplingParams, history: TokenHistory | None) -> bool:
+    """Whether this row needs any processor now (min_tokens only until it is reached).
+
+    Without a history, only ``logit_bias`` can apply; ``apply_logits_processors``
+    refuses a row that needs one."""
+    if params.logit_bias is not None:
+        return True
+    if params.has_penalties:
+        return True
+    return params.min_tokens > 0 and (history is None or _masks_stops(params, history))
+
+
+def _flat_ids(
+    rows: list[tuple[int, Sequence[int]]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """``row * vocab + token`` for every token of every listed row (ids beyond the
+    vocabulary dropped): indices into the flattened ``[R, V]`` logits."""
+    parts = [torch.tensor(ids, dtype=torch.int64) for _, ids in rows]
+    lengths = torch.tensor([len(ids) for _, ids in rows], dtype=torch.int64)
+    row_of = torch.repeat_interleave(torch.tensor([r for r, _ in rows]), lengths)
+    ids = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    keep = ids < vocab
+    return (row_of[keep] * vocab + ids[keep]).to(device, non_blocking=True)
+
+
+def _counts(
+    rows: list[tuple[int, Sequence[int]]], shape: torch.Size, device: torch.device
+) -> torch.Tensor:
+    """``[R, V]`` float counts of each token in each listed row (other rows 0)."""
+    n, vocab = shape
+    flat = _flat_ids(rows, vocab, device)
+    return torch.bincount(flat, minlength=n * vocab).view(n, vocab).float()
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+    eos_token_ids: Collection[int] = (),
+) -> torch.Tensor:
+    """Apply min_tokens, logit_bias and the penalties to ``logits`` ``[R, V]`` (float32,
+    modified in place and returned), row ``r`` with ``params[r]`` and ``histories[r]``.
+
+    * **min_tokens**: while a row has generated fewer than ``min_tokens`` tokens, every
+      id in ``eos_token_ids`` and its ``stop_token_ids`` gets -inf (vLLM masks all of
+      them, whatever ``ignore_eos`` says; ids beyond the vocabulary cannot be sampled
+      anyway).
+    * **logit_bias** is added (a sum beyond float32 is clamped to its largest value at the
+      end, so a large bias forces a token but never makes a row infinite).
+    * **repetition_penalty** over every token the sequence holds (prompt and output),
+      transformers' ``RepetitionPenaltyLogitsProcessor``: a positive logit is divided by
+      it, any other multiplied.
+    * **frequency_penalty** × count and **presence_penalty** × (count > 0), subtracted,
+      over the output tokens only (OpenAI's definition, vLLM's).
+
+    ValueError (naming the row) for a ``logit_bias`` id beyond the vocabulary, or a row
+    that needs a history it was not given; ``logits`` is untouched then.
+    """
+    n, vocab = logits.shape
+    device = logits.device
+    if len(params) != n or len(histories) != n:
+        raise ValueError(f"{n} logit rows but {len(params)} params and {len(histories)} histories")
+    for r, (p, h) in enumerate(zip(params, histories, strict=True)):
+        if h is None and (p.has_penalties or p.min_tokens > 0):
+            raise ValueError(f"row {r} uses penalties or min_tokens but has no token history")
+        if p.logit_bias is not None and p.logit_bias[-1][0] >= vocab:
+            raise ValueError(
+                f"row {r}: logit_bias names token {p.logit_bias[-1][0]}, beyond the "
+                f"vocabulary of {vocab} tokens"
+            )
+    # min_tokens: (row, id) pairs set to -inf
+    masked = [
+        (r, t)
+        for r, (p, h) in enumerate(zip(params, histories, strict=True))
+        if h is not None and p.min_tokens > 0 and _masks_stops(p, h)
+        for t in {*eos_token_ids, *p.stop_token_ids}
+        if t < vocab
+    ]
+    if masked:
+        rows, ids = zip(*masked, strict=True)
+        logits[torch.tensor(rows, device=device), torch.tensor(ids, device=device)] = float("-inf")
+    biased = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias or ()]
+    if biased:
+        rows, ids, values = zip(*biased, strict=True)
+        at = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+        logits[at] += torch.tensor(values, dtype=torch.float32, device=device)
+    _apply_penalties(logits, params, histories)
+    # a huge bias (or a repetition penalty < 1 on it) may overflow: +inf would leave no
+    # distribution, the largest float forces the token all the same
+    return logits.clamp_(max=torch.finfo(torch.float32).max)
+
+
+def _apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+) -> None:
+    device = logits.device
+    rep = [
+        (r, h.token_ids)
+        for r, (p, h) in enumerate(zip(params, histories, strict=True))
+        if h is not None and p.repetition_penalty != 1.0
+    ]
+    if rep:
+        seen = _counts(rep, logits.shape, device) > 0
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalty = torch.where(seen, penalty, 1.0)
+        logits.copy_(torch.where(logits > 0, logits / penalty, logits * penalty))
+    additive = [
+        (r, h.token_ids[h.num_prompt_tokens :])
+        for r, (p, h) in enumerate(zip(params, histories, strict=True))
+        if h is not None and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+    ]
+    if additive:
+        counts = _counts(additive, logits.shape, device)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        logits -= freq * counts
+        logits -= pres * (counts > 0)
