@@ -3,14 +3,131 @@ is allocated."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
 from typing import Literal
+
+from paged_engine.engine.hashing import HASH_ALGORITHMS, HashAlgorithm
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton", "flash-attn")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
-PrefixCacheHash = Literal["xxh64", "sha256"]
-PREFIX_CACHE_HASHES: tuple[str, ...] = ("xxh64", "sha256")
+# R4's hashes, defined once with the hashing (a light module: xxhash and the stdlib).
+PrefixCacheHash = HashAlgorithm
+PREFIX_CACHE_HASHES: tuple[str, ...] = HASH_ALGORITHMS
+
+
+_OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
+
+
+def openmp_runtime_loaded() -> bool:
+    """Whether an OpenMP runtime (GNU's libgomp, which torch's CPU wheels bundle, Intel's
+    or LLVM's) is already mapped into this process: it read ``OMP_WAIT_POLICY`` then, so
+    setting the variable now changes nothing. torch being imported counts as loaded."""
+    if "torch" in sys.modules:
+        return True
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return False
+    return any(lib in maps for lib in _OPENMP_LIBRARIES)
+
+
+def prepare_openmp() -> None:
+    """Ask OpenMP to wait passively (``OMP_WAIT_POLICY=PASSIVE``, unless the variable is
+    already set) when no OpenMP runtime is loaded yet. ``import paged_engine`` calls this,
+    so it is in effect whenever paged_engine is imported before torch (the CLI always is)."""
+    if not openmp_runtime_loaded():
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def openmp_waits_passively() -> bool:
+    """``OMP_WAIT_POLICY`` is PASSIVE (any case). Read from the environment, so a value set
+    after torch was imported is believed though the runtime never saw it: set it before."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
+def _sys_cpu_file(cpu: int, name: str) -> str | None:
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_cpu_limit() -> int | None:
+    """CPUs granted by a cgroup v2 quota (``cpu.max``, rounded up), None when unlimited."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
+        return None
+
+
+def usable_physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (``sched_getaffinity``):
+    SMT siblings (one ``core_cpus_list`` in /sys) count once; a CPU whose topology cannot
+    be read counts as a core of its own. Capped by a cgroup CPU quota. Without affinity
+    information (not Linux): ``os.cpu_count()``, which counts logical CPUs."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        siblings = _sys_cpu_file(cpu, "core_cpus_list") or _sys_cpu_file(
+            cpu, "thread_siblings_list"
+        )
+        cores.add(siblings if siblings else f"cpu{cpu}")
+    n = max(1, len(cores))
+    quota = _cgroup_cpu_limit()
+    return n if quota is None else min(n, quota)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):  # absent, or "max" (no limit)
+        return None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process could still take: /proc/meminfo's MemAvailable (else the free
+    pages, ``SC_AVPHYS_PAGES``), and no more than a cgroup v2 ``memory.max`` leaves over
+    ``memory.current``; None when nothing can be read."""
+    avail: int | None = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = _read_int("/sys/fs/cgroup/memory.max")
+    used = _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        room = max(0, limit - used)
+        avail = room if avail is None else min(avail, room)
+    return avail
+
+
+def default_num_threads() -> int:
+    """``EngineConfig.num_threads``' default (see there): ``OMP_NUM_THREADS`` when set to
+    a count; else, when OpenMP waits passively, the usable physical cores but one (at
+    least 1); else 1."""
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    return max(1, usable_physical_cores() - 1) if openmp_waits_passively() else 1
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -24,7 +141,9 @@ class EngineConfig:
 
     ``num_kvcache_blocks`` fixes the pool size; when None the model runner sizes the pool
     from ``kv_cache_memory`` bytes on CPU, or from ``gpu_memory_utilization`` of the device
-    memory left after a warm-up pass on CUDA.
+    memory left after a warm-up pass on CUDA. With neither on CPU ("auto") the pool holds
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at half the memory
+    available when the engine starts (``ModelRunner._pool_size``).
     """
 
     max_num_batched_tokens: int = 8192
@@ -41,13 +160,31 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     dtype: str = "auto"
     device: str = "auto"
-    kv_cache_memory: int = 1 << 30
+    kv_cache_memory: int | None = None
+    """KV pool bytes on CPU; None sizes the pool automatically (see the class docstring)."""
     gpu_memory_utilization: float = 0.9
     seed: int = 0
-    num_threads: int | None = None
-    """torch's intra-op CPU threads (process-wide: ``torch.set_num_threads``); None leaves
-    torch's own setting. Small models run fastest on one thread, and on a machine shared
-    with other work OpenMP's spin-waiting can make several threads many times slower."""
+    num_threads: int | None = field(default_factory=default_num_threads)
+    """torch's intra-op CPU threads (process-wide: ``torch.set_num_threads``, when the
+    model runner starts); None leaves torch's own setting.
+
+    The default (``default_num_threads``): ``OMP_NUM_THREADS`` when set; else, when
+    OpenMP waits passively, the physical cores this process may use (affinity, SMT
+    siblings once, cgroup quota) but one, at least 1; else 1. One core is left to other
+    work because a thread that shares its core with another process stalls every parallel
+    region. ``import paged_engine`` sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set) while no
+    OpenMP runtime is loaded: torch's libgomp reads it once, when torch is imported, so
+    ``torch.set_num_threads`` later changes the count but never the waiting. Import
+    paged_engine before torch, or export the variable, for more than one default thread.
+
+    Measured (``bench/test_threads_bench.py``, 2-core machine, generate of 16 x 64-token
+    prompts, 32 new tokens; seconds, fastest run, against one thread; quiet machine):
+    torch's old default (2 threads, spin-waiting) is 1.0x (tiny model) and 0.83x
+    (hidden 1024) idle, but 2.4x and 2.1x slower with one competing CPU-bound process, and
+    5-20x (median up to 74x) with other jobs running too; 2 passive threads are 1.3x and
+    1.4x slower with the competing process (tiny: 2.7x even idle; hidden 1024: 0.78x
+    idle). Hence 1 thread on 2 cores. Short spins (``GOMP_SPINCOUNT`` 3,000 or 30,000)
+    measured worse than passive waiting under load."""
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -76,7 +213,8 @@ class EngineConfig:
             raise ValueError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
-        _positive_int("kv_cache_memory", self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            _positive_int("kv_cache_memory", self.kv_cache_memory)
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 < g <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")

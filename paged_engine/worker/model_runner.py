@@ -7,11 +7,10 @@ from the engine is the ``Sequence`` record and index arithmetic: the slots of a 
 range through a block table come from ``engine.indexing.slot_mapping`` (through
 ``make_attention_metadata``), the helper that CrossHair checks against its spec twin.
 
-One KV tensor ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` holds
-the whole pool; each attention layer gets its ``[num_blocks, block_size, kv_heads,
-head_dim]`` views. Its size is ``num_kvcache_blocks`` when given, else a byte budget:
-``kv_cache_memory`` on CPU, ``gpu_memory_utilization`` of the memory a warm-up pass leaves
-on CUDA (nano-vllm's approach).
+The KV pool (``kv_cache.py``) is sized before the weights load whenever it can be: from
+``num_kvcache_blocks``, ``kv_cache_memory``, or room for ``max_num_seqs`` full-length
+sequences capped by free memory; on CUDA without a block count, from the memory a warm-up
+pass of the loaded model leaves (nano-vllm's approach).
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from paged_engine.config import EngineConfig
-from paged_engine.engine.scheduler import FailedSample
+from paged_engine.config import EngineConfig, openmp_waits_passively
+from paged_engine.engine.outputs import FailedSample, SampleOutput, TokenLogprobs
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.attention import (
     AttentionBackend,
@@ -33,10 +32,12 @@ from paged_engine.layers.attention import (
     make_attention_metadata,
 )
 from paged_engine.layers.context import forward_context
+from paged_engine.layers.logprobs import prompt_logprobs, sampled_logprobs
 from paged_engine.layers.sampler import Sampler
 from paged_engine.sampling_params import SEED_MODULUS
 from paged_engine.utils.loader import load_model
 from paged_engine.utils.model_config import head_dim, load_config
+from paged_engine.worker.kv_cache import KVCacheLayout, allocate_kv_cache, pool_size
 
 logger = logging.getLogger("paged_engine")
 
@@ -72,24 +73,6 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: object) -> 
 
 
 @dataclass(frozen=True, slots=True)
-class KVCacheLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
-
-
-@dataclass(frozen=True, slots=True)
 class Batch:
     """One step's model inputs."""
 
@@ -100,6 +83,10 @@ class Batch:
     """Row of the last token of each sequence that samples in this step."""
     sampling: tuple[int, ...]
     """Indices (into the step's sequences) of those sequences."""
+    prompt_spans: tuple[tuple[int, int, int, int], ...] = ()
+    """``(sequence index, first row, first position, rows)`` of each sequence that asks
+    for prompt logprobs and has prompt rows in this step: its rows ``first row …`` hold
+    positions ``q`` (from ``first position``) that predict prompt tokens ``q + 1``."""
 
 
 class ModelRunner:
@@ -134,10 +121,16 @@ class ModelRunner:
             self.num_kvcache_blocks = self._pool_size()
         if config.num_threads is not None:  # process-wide: only once nothing is refused
             torch.set_num_threads(config.num_threads)
+            logger.info(
+                "torch CPU threads: %d (OpenMP waits %s)",
+                config.num_threads,
+                "passively" if openmp_waits_passively() else "actively: spins",
+            )
         self.model, _ = load_model(
             path, device=self.device, dtype=self.dtype, backend=self.backend, config=self.hf_config
         )
         self.sampler = Sampler()
+        self.eos_token_ids: tuple[int, ...] = ()  # min_tokens masks them (LLM sets them)
         # any int seeds the engine: s and s + 2**64 are the same seed
         self.rng = torch.Generator(device=self.device).manual_seed(config.seed % SEED_MODULUS)
         self.kv_cache = torch.empty(0)  # the CUDA warm-up pass runs before the pool exists
@@ -170,26 +163,10 @@ class ModelRunner:
     # ---- the KV pool -------------------------------------------------------------------------
 
     def _pool_size(self) -> int:
-        """Blocks for the pool, refused when it cannot hold one ``max_model_len`` sequence.
-
-        Needs only the layout, so ``__init__`` calls it before the weights load, except
-        for a pool sized from CUDA memory: that budget is measured with the loaded model."""
-        cfg, per_block = self.config, self.layout.bytes_per_block
-        if cfg.num_kvcache_blocks is not None:
-            blocks = cfg.num_kvcache_blocks
-        elif self.device.type == "cuda":
-            blocks = self._cuda_budget() // per_block
-        else:
-            blocks = cfg.kv_cache_memory // per_block
-        needed = cfg.max_blocks_per_seq()
-        if blocks < needed:
-            raise ValueError(
-                f"the KV pool ({blocks} blocks of {self.block_size} tokens, "
-                f"{per_block} bytes each) cannot hold one max_model_len={cfg.max_model_len} "
-                f"sequence ({needed} blocks): raise kv_cache_memory / num_kvcache_blocks "
-                "or lower max_model_len"
-            )
-        return blocks
+        """Blocks for the pool (``kv_cache.pool_size``). Needs only the layout, so
+        ``__init__`` calls it before the weights load, except for a pool sized from CUDA
+        memory: that budget is measured with the loaded model."""
+        return pool_size(self.config, self.layout, self.device, self._cuda_budget)
 
     def _cuda_budget(self) -> int:
         """Bytes for the pool: the utilisation target minus a warm-up pass's peak."""
@@ -212,27 +189,7 @@ class ModelRunner:
         return max(0, int(total * cfg.gpu_memory_utilization) - used_by_others - peak)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        lay = self.layout
-        # torch.empty: pages are committed as blocks are first used; backends never read a
-        # slot before it is written (the torch backend points padded positions it gathers
-        # at a written slot of the same sequence).
-        cache = torch.empty(
-            2,
-            lay.num_layers,
-            num_blocks,
-            lay.block_size,
-            lay.num_kv_heads,
-            lay.head_dim,
-            dtype=lay.dtype,
-            device=self.device,
-        )
-        layers = [
-            m for m in self.model.modules() if hasattr(m, "k_cache") and hasattr(m, "backend")
-        ]
-        for i, layer in enumerate(layers):
-            layer.k_cache = cache[0, i]
-            layer.v_cache = cache[1, i]
-        return cache
+        return allocate_kv_cache(self.model, self.layout, num_blocks, self.device)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -245,9 +202,18 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampling: list[int] = []
+        prompt_spans: list[tuple[int, int, int, int]] = []
         for i, seq in enumerate(seqs):
             start = seq.num_cached_tokens
             end = start + seq.num_scheduled_tokens
+            # rows q predict q + 1; the last prompt row predicts the first output token
+            num_prompt_rows = min(end, seq.num_prompt_tokens - 1) - start
+            if (
+                is_prefill
+                and num_prompt_rows > 0
+                and seq.sampling_params.prompt_logprobs is not None
+            ):
+                prompt_spans.append((i, len(input_ids), start, num_prompt_rows))
             if is_prefill:
                 input_ids.extend(seq.token_ids[start:end])
             else:
@@ -269,36 +235,71 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True),
             sampling=tuple(sampling),
+            prompt_spans=tuple(prompt_spans),
         )
 
     @torch.inference_mode()
-    def _forward(self, seqs: SequenceABC[Sequence], is_prefill: bool) -> tuple[Batch, torch.Tensor]:
+    def _forward(
+        self, seqs: SequenceABC[Sequence], is_prefill: bool
+    ) -> tuple[Batch, torch.Tensor, tuple[tuple[TokenLogprobs, ...], ...]]:
+        """The batch, the logits of its sampling rows, and the prompt logprobs of each
+        ``batch.prompt_spans`` entry (in that order)."""
         batch = self.prepare(seqs, is_prefill)
         with forward_context(batch.meta):
             hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        return batch, logits
+        prompt = tuple(
+            prompt_logprobs(
+                hidden[row : row + count],
+                self.model.compute_logits,
+                seqs[i].token_ids[q + 1 : q + 1 + count],  # row q predicts q + 1
+                seqs[i].sampling_params.prompt_logprobs or 0,
+            )
+            for i, row, q, count in batch.prompt_spans
+        )
+        return batch, logits, prompt
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | FailedSample | None]:
+    def run(
+        self, seqs: list[Sequence], is_prefill: bool
+    ) -> list[int | FailedSample | SampleOutput | None]:
         """One token per sequence that samples in this step; None for a prefill chunk that
         does not finish its prompt (nothing is sampled for it); ``FailedSample`` for a
         sequence whose logits are not all finite (NaN or inf: the model broke down), so
-        that one request fails and the rest of the batch goes on."""
-        batch, logits = self._forward(seqs, is_prefill)
-        out: list[int | FailedSample | None] = [None] * len(seqs)
-        if not batch.sampling:
-            return out
-        picked = [seqs[i] for i in batch.sampling]
-        generators = [self._generator(s) for s in picked]
-        tokens = self.sampler(logits, [s.sampling_params for s in picked], generators)
-        for i, seq, t in zip(batch.sampling, picked, tokens, strict=True):
-            out[i] = t
-            if t is None:
-                out[i] = FailedSample(
-                    f"the model's logits for the token at position {seq.num_tokens} are "
-                    "not finite (NaN or inf); nothing was sampled"
-                )
+        that one request fails and the rest of the batch goes on.
+
+        A sequence whose params ask for ``logprobs`` or ``prompt_logprobs`` gets that
+        result wrapped in a ``SampleOutput`` in every step, with the logprobs of its
+        sampled token and of the prompt positions this step's rows predict (raw logprobs:
+        the model's distribution before penalties, temperature or filters, as vLLM)."""
+        batch, logits, prompt = self._forward(seqs, is_prefill)
+        results: dict[int, int | FailedSample] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
+        if batch.sampling:
+            picked = [seqs[i] for i in batch.sampling]
+            params = [s.sampling_params for s in picked]
+            generators = [self._generator(s) for s in picked]
+            tokens = self.sampler(logits, params, generators, picked, self.eos_token_ids)
+            for i, seq, t in zip(batch.sampling, picked, tokens, strict=True):
+                results[i] = t if t is not None else self._failure(seq)
+            asked = [p.logprobs for p in params]
+            for r, lp in sampled_logprobs(logits, asked, tokens).items():
+                logprobs[batch.sampling[r]] = lp
+        prompt_of = {i: lps for (i, *_), lps in zip(batch.prompt_spans, prompt, strict=True)}
+        out: list[int | FailedSample | SampleOutput | None] = []
+        for i, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if p.logprobs is None and p.prompt_logprobs is None:
+                out.append(results.get(i))
+            else:
+                out.append(SampleOutput(results.get(i), logprobs.get(i), prompt_of.get(i, ())))
         return out
+
+    @staticmethod
+    def _failure(seq: Sequence) -> FailedSample:
+        return FailedSample(
+            f"the model's logits for the token at position {seq.num_tokens} are not finite "
+            "(NaN or inf), or leave no token to sample; nothing was sampled"
+        )
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """Seeded requests draw position by position from their own seed, so the token

@@ -1,0 +1,206 @@
+"""Defaults that make the CPU path work out of the box: the automatic KV pool (sized from
+the model and ``max_num_seqs x max_model_len``, capped by available memory, explicit
+settings winning) and the thread count (the physical cores but one, and only when OpenMP
+waits passively; ``import paged_engine`` asks for that before torch loads)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import paged_engine.config as config
+import paged_engine.worker.kv_cache as kv_cache
+import paged_engine.worker.model_runner as model_runner
+from paged_engine import LLM, EngineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kv_bytes_per_block(model_dir: Path, block_size: int) -> int:
+    """From config.json: K and V, every layer, every kv head, float32 (CPU's dtype)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    return per_token * block_size
+
+
+def pool_bytes(llm: LLM) -> int:
+    cache = llm.model_runner.kv_cache
+    return cache.numel() * cache.element_size()
+
+
+@pytest.fixture
+def memory(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | None]:
+    """What the memory probe reports: ``memory["available"]`` bytes (None: unknown)."""
+    state: dict[str, int | None] = {"available": None}
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: state["available"])
+    return state
+
+
+def test_the_auto_pool_holds_max_num_seqs_full_length_sequences(
+    tiny_model_dir: Path, memory: dict[str, int | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    per_block = kv_bytes_per_block(tiny_model_dir, 16)
+    memory["available"] = 10**12
+    with caplog.at_level(logging.INFO, logger="paged_engine"):
+        llm = LLM(tiny_model_dir, max_model_len=100, max_num_seqs=3, kvcache_block_size=16)
+    assert llm.model_runner.num_kvcache_blocks == 3 * 7  # ceil(100 / 16) blocks each
+    assert pool_bytes(llm) == 21 * per_block
+    assert "KV pool sized automatically: 21 blocks" in caplog.text
+    assert llm.config.kv_cache_memory is None
+
+
+def test_the_auto_pool_without_a_memory_probe(
+    tiny_model_dir: Path, memory: dict[str, int | None]
+) -> None:
+    llm = LLM(tiny_model_dir, max_model_len=64, max_num_seqs=5, kvcache_block_size=8)
+    assert llm.model_runner.num_kvcache_blocks == 5 * 8
+    assert pool_bytes(llm) == 40 * kv_bytes_per_block(tiny_model_dir, 8)
+
+
+def test_the_memory_cap_applies(
+    tiny_model_dir: Path, memory: dict[str, int | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    per_block = kv_bytes_per_block(tiny_model_dir, 16)
+    memory["available"] = 2 * 10 * per_block + per_block  # half of it: 10.5 blocks
+    with caplog.at_level(logging.INFO, logger="paged_engine"):
+        llm = LLM(tiny_model_dir, max_model_len=64, max_num_seqs=8, kvcache_block_size=16)
+    assert llm.model_runner.num_kvcache_blocks == 10  # not 8 * 4 = 32
+    assert "10 blocks" in caplog.text and "capped at 50% of the 0 MiB" in caplog.text
+
+
+def test_a_cap_below_one_sequence_says_what_to_change(
+    tiny_model_dir: Path, memory: dict[str, int | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("loaded before the pool was refused")
+
+    monkeypatch.setattr(model_runner, "load_model", forbidden)
+    memory["available"] = 2 * 3 * kv_bytes_per_block(tiny_model_dir, 16)  # 3 blocks
+    with pytest.raises(ValueError) as e:
+        LLM(tiny_model_dir, max_model_len=64, max_num_seqs=8, kvcache_block_size=16)
+    msg = str(e.value)
+    assert "cannot hold one max_model_len=64 sequence (4 blocks)" in msg
+    assert "lower max_model_len" in msg and "kv_cache_memory / num_kvcache_blocks" in msg
+    assert "50%" in msg
+
+
+@pytest.mark.parametrize("setting", ["num_kvcache_blocks", "kv_cache_memory"])
+def test_explicit_pool_settings_win(
+    tiny_model_dir: Path, memory: dict[str, int | None], setting: str
+) -> None:
+    per_block = kv_bytes_per_block(tiny_model_dir, 16)
+    blocks = 9
+    value = blocks if setting == "num_kvcache_blocks" else blocks * per_block + per_block // 2
+    override = {setting: value}
+    memory["available"] = 2 * per_block  # the auto pool could not even hold one sequence
+    llm = LLM(tiny_model_dir, max_model_len=64, max_num_seqs=8, kvcache_block_size=16, **override)
+    assert llm.model_runner.num_kvcache_blocks == blocks
+    assert pool_bytes(llm) == blocks * per_block
+
+
+def test_the_memory_probe_reads_this_machine() -> None:
+    avail = config.available_memory_bytes()
+    if Path("/proc/meminfo").is_file():
+        with open("/proc/meminfo") as f:
+            total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+        assert avail is not None and 0 < avail <= total_kib * 1024
+
+
+# ---- threads -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("siblings", "cores"),
+    [
+        ({0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}, 2),  # SMT: two threads per core
+        ({0: "0", 1: "1", 2: "2", 3: "3"}, 4),
+        ({0: "0-1", 1: "0-1", 2: None, 3: None}, 3),  # unreadable topology: a core each
+    ],
+)
+def test_physical_cores_count_smt_siblings_once(
+    monkeypatch: pytest.MonkeyPatch, siblings: dict[int, str | None], cores: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(siblings))
+    monkeypatch.setattr(config, "_sys_cpu_file", lambda cpu, name: siblings[cpu])
+    monkeypatch.setattr(config, "_cgroup_cpu_limit", lambda: None)
+    assert config.usable_physical_cores() == cores
+    monkeypatch.setattr(config, "_cgroup_cpu_limit", lambda: 1)
+    assert config.usable_physical_cores() == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "cores", "threads"),
+    [
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, 6, 5),  # one core left for other work
+        ({"OMP_WAIT_POLICY": "passive"}, 2, 1),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, 1, 1),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, 6, 1),
+        ({}, 6, 1),  # the runtime spins: one thread
+        ({"OMP_NUM_THREADS": "3"}, 6, 3),  # the user's count wins
+        ({"OMP_NUM_THREADS": "4,2", "OMP_WAIT_POLICY": "PASSIVE"}, 6, 4),
+        ({"OMP_NUM_THREADS": "lots", "OMP_WAIT_POLICY": "PASSIVE"}, 6, 5),
+    ],
+)
+def test_default_threads(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], cores: int, threads: int
+) -> None:
+    for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(config, "usable_physical_cores", lambda: cores)
+    assert config.default_num_threads() == threads
+    assert EngineConfig().num_threads == threads
+    assert EngineConfig(num_threads=None).num_threads is None  # torch's own setting
+
+
+PROBE = """
+import json, os, sys
+first = sys.argv[1]
+if first == "torch":
+    import torch
+import paged_engine
+import torch
+from paged_engine.config import usable_physical_cores
+print(json.dumps({
+    "policy": os.environ.get("OMP_WAIT_POLICY"),
+    "threads": paged_engine.EngineConfig().num_threads,
+    "cores": usable_physical_cores(),
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("first", "preset", "policy", "threads"),
+    [
+        ("paged_engine", None, "PASSIVE", "cores"),
+        ("torch", None, None, 1),  # too late: the runtime read the environment already
+        ("paged_engine", "ACTIVE", "ACTIVE", 1),  # the user's setting stays
+    ],
+)
+def test_import_paged_engine_asks_openmp_to_wait_passively(
+    first: str, preset: str | None, policy: str | None, threads: int | str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, first],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    seen = json.loads(run.stdout)
+    assert seen["policy"] == policy
+    assert seen["threads"] == (max(1, seen["cores"] - 1) if threads == "cores" else threads)
