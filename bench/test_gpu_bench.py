@@ -331,7 +331,7 @@ def test_end_to_end_throughput(model_dir: Path, backend: str, block_size: int) -
         outs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        generated = sum(len(o.token_ids) for o in outs)
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
         assert generated == sum(p.max_tokens for p in params)
         stats = llm.last_run_stats
         record(

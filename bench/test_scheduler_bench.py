@@ -10,6 +10,7 @@ step). Target (reported by bench/report.py, not asserted): <= 10 us per sequence
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from bench.scenarios import SCENARIOS, TRACE, Scenario, trace
 from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.sequence import Sequence
-from paged_engine.sampling_params import SamplingParams
+from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 
 TARGET_US = 10.0
 
@@ -51,10 +52,21 @@ def run_engine(scenario: Scenario) -> tuple[ScriptedModel, LLMEngine]:
         num_kvcache_blocks=scenario.num_blocks,
     )
     engine = LLMEngine(model, config, vocab_size=TRACE.vocab_size)
+    ids = itertools.count()
     for wave in trace(TRACE):
         for req in wave:
-            params = SamplingParams(temperature=0, max_tokens=len(req.output), ignore_eos=True)
-            model.scripts[engine.add_request(list(req.prompt), params)] = req.output
+            # FINAL_ONLY: step() reports each request once, when it finishes, as the loop
+            # measured here always did (CUMULATIVE would add a per-step snapshot of each).
+            params = SamplingParams(
+                temperature=0,
+                max_tokens=len(req.output),
+                ignore_eos=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            rid = str(next(ids))
+            engine.add_request(rid, list(req.prompt), params)
+            # the fake model sees sequences: script the request's one sequence
+            model.scripts[engine._requests[rid].completions[0].seq.seq_id] = req.output
         while engine.has_unfinished_requests():
             engine.step()
     return model, engine

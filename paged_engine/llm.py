@@ -1,57 +1,111 @@
-"""``LLM``: the user-facing entry point, ``LLM(model_dir, **config).generate(prompts)``."""
+"""``LLM``: the user-facing entry point, shaped like vLLM's offline API.
+
+``LLM(model).generate(prompts, sampling_params)`` and ``LLM.chat(messages)``, with vLLM's
+argument names, so that porting a script is a matter of changing the import.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceABC
-from dataclasses import replace
+import re
+from collections.abc import Mapping
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, cast
 
 from paged_engine.config import EngineConfig
-from paged_engine.engine.llm_engine import (
-    LLMEngine,
-    ParamsLike,
-    Prompt,
-    RequestOutput,
-    RunStats,
-    Tokenizer,
-)
+from paged_engine.engine.inputs import Tokenizer
+from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.engine.request import RequestOutput
+from paged_engine.engine.stats import RunStats
 from paged_engine.utils.loader import load_tokenizer
 from paged_engine.utils.model_config import eos_token_ids, load_config
 from paged_engine.worker.model_runner import ModelRunner
 
+_ALIASES = {"block_size": "kvcache_block_size"}
+"""vLLM's names for our fields."""
+
+_NOT_HERE = {
+    "tensor_parallel_size": "tensor parallelism is not built yet: use 1",
+    "pipeline_parallel_size": "pipeline parallelism is not supported: use 1",
+}
+
+
+def _model_dir(model: object) -> Path:
+    if not isinstance(model, str | Path):
+        raise TypeError(f"model must be a path to a model directory, got {model!r}")
+    path = Path(model)
+    if not path.is_dir() and not re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not path.is_dir():  # a hub id, such as "Qwen/Qwen3-0.6B"
+        raise FileNotFoundError(
+            f"model {str(model)!r} is not a local directory: paged_engine loads only local "
+            "Hugging Face directories and never downloads. On a machine with network, "
+            f"fetch one with `huggingface-cli download {model} --local-dir DIR`, then pass DIR"
+        )
+    return path
+
+
+def _engine_config(kwargs: dict[str, Any]) -> tuple[EngineConfig, bool]:
+    """An ``EngineConfig`` from ``LLM``'s keywords (vLLM's names accepted), and whether
+    ``max_model_len`` was given."""
+    values: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in _NOT_HERE:
+            if value not in (None, 1):
+                raise ValueError(f"{key}={value!r}: {_NOT_HERE[key]}")
+            continue
+        name = _ALIASES.get(key, key)
+        if name in values:
+            alias = next(a for a, n in _ALIASES.items() if n == name)
+            raise TypeError(f"both {alias!r} and {name!r} given")
+        values[name] = value
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(
+            f"unknown LLM argument(s) {unknown}; known: {sorted(known | set(_ALIASES))}"
+        )
+    return EngineConfig(**values), "max_model_len" in values
+
 
 class LLM:
-    """A Qwen3 model from a Hugging Face-format directory, served through the paged engine.
+    """A Qwen3 model from a local Hugging Face-format directory, served by the paged engine.
 
-    ``config`` takes the fields of ``EngineConfig`` (an unknown name is a TypeError naming
-    it). Construction validates everything (device, config.json, attention backend, pool
-    size, checkpoint) before a weight is read or the model or the KV pool is allocated;
-    only a pool sized from CUDA memory (no ``num_kvcache_blocks``) is checked after the
-    weights load, as its budget is measured with the loaded model.
+    ``model`` is the directory (a hub name is refused with a message saying how to fetch
+    it); ``tokenizer`` another directory holding the tokenizer (default: ``model``). The
+    keywords are ``EngineConfig``'s fields, with vLLM's names where they differ
+    (``block_size`` for ``kvcache_block_size``); an unknown one is a TypeError naming it.
 
-    ``max_model_len`` may not exceed the model's ``max_position_embeddings`` (ValueError
-    naming both); when not given it is ``EngineConfig``'s default capped at that.
-    ``self.config`` holds the values the engine runs with. Generation stops at every eos
-    id: generation_config.json's (as transformers' ``generate``), else config.json's,
-    else the tokenizer's.
+    Construction validates everything (device, config.json, attention backend, pool size,
+    checkpoint) before a weight is read or the model or the KV pool is allocated; only a
+    pool sized from CUDA memory (no ``num_kvcache_blocks``) is checked after the weights
+    load, as its budget is measured with the loaded model. ``max_model_len`` may not
+    exceed the model's ``max_position_embeddings``; when not given it is
+    ``EngineConfig``'s default capped at that. ``self.config`` holds the values the engine
+    runs with. Generation stops at every eos id: generation_config.json's (as transformers'
+    ``generate``), else config.json's, else the tokenizer's.
     """
 
-    def __init__(self, model_dir: str | Path, **config: Any) -> None:
-        engine_config = EngineConfig(**config)
+    def __init__(
+        self, model: str | Path, *, tokenizer: str | Path | None = None, **kwargs: Any
+    ) -> None:
+        engine_config, len_given = _engine_config(kwargs)
+        model_dir = _model_dir(model)
+        tokenizer_dir = model_dir if tokenizer is None else _model_dir(tokenizer)
         hf_config = load_config(model_dir)
-        if "max_model_len" not in config:
+        if not len_given:
             max_pos = int(hf_config.max_position_embeddings)
             default = min(engine_config.max_model_len, max_pos)
             engine_config = replace(engine_config, max_model_len=default)
         # the tokenizer and eos ids can be refused too: read before the weights
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(tokenizer_dir)
         eos = eos_token_ids(model_dir, hf_config)
         if eos is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (int(self.tokenizer.eos_token_id),)
         self.model_runner = ModelRunner(model_dir, engine_config)
+        self.model_runner.eos_token_ids = tuple(eos or ())
         self.config = self.model_runner.config
-        self.engine = LLMEngine(
+        self.llm_engine = LLMEngine(
             self.model_runner,
             self.config,
             vocab_size=int(self.model_runner.hf_config.vocab_size),
@@ -60,15 +114,71 @@ class LLM:
             tokenizer=cast(Tokenizer | None, self.tokenizer),
         )
 
+    @property
+    def engine(self) -> LLMEngine:
+        """``llm_engine`` (vLLM's name), under its earlier name."""
+        return self.llm_engine
+
     def generate(
         self,
-        prompts: SequenceABC[Prompt],
-        params: ParamsLike | SequenceABC[ParamsLike] | None = None,
+        prompts: object,
+        sampling_params: object = None,
+        *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in input order; ``text`` is set when the model has a tokenizer."""
-        return self.engine.generate(prompts, params, use_tqdm=use_tqdm)
+        """Complete one prompt or a list (text, token ids, ``{"prompt": ...}`` or
+        ``{"prompt_token_ids": ...}``, optionally with ``"cache_salt"``) with one
+        ``SamplingParams`` or a list of them (default: ``SamplingParams()``). Outputs in
+        input order. Every request is validated before any runs; see
+        ``LLMEngine.generate`` for what happens when a step fails."""
+        return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        messages: object,
+        sampling_params: object = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Complete one conversation (a list of ``{"role", "content"}`` messages) or a list
+        of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("chat() needs a tokenizer; this model directory has none")
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise ValueError(
+                "the tokenizer has no chat template: pass chat_template=, or use generate()"
+            )
+        if not isinstance(messages, list | tuple) or not messages:
+            raise TypeError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, list | tuple) or not all(isinstance(m, Mapping) for m in conv):
+                raise TypeError(f"conversation {i} must be a list of message dicts")
+            rendered = tok.apply_chat_template(
+                list(conv),
+                tokenize=True,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block; False (changing nothing) while requests run."""
+        return self.llm_engine.reset_prefix_cache()
 
     @property
     def last_run_stats(self) -> RunStats | None:
-        return self.engine.last_run_stats
+        """The last ``generate``'s counters: ``print(llm.last_run_stats)`` for a summary."""
+        return self.llm_engine.last_run_stats
+
+
+__all__ = ["LLM"]

@@ -16,6 +16,7 @@ produce the same outputs as if the fault had not happened.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from hypothesis import event
@@ -67,6 +68,21 @@ def build_engine(
         block_manager=bm,
         scheduler_cls=scheduler_cls,
     )
+
+
+_request_ids = itertools.count()
+
+
+def add(engine: LLMEngine, prompt: Any, params: Any = None) -> str:
+    """``engine.add_request`` under a fresh request id, which it returns."""
+    rid = f"r{next(_request_ids)}"
+    engine.add_request(rid, prompt, params)
+    return rid
+
+
+def _without_times(out: RequestOutput) -> object:
+    """An output without its wall-clock times (the two engines run at different times)."""
+    return (out.request_id, out.outputs, out.finished, out.num_cached_tokens)
 
 
 def faulty_hash_blocks(bm: Any, fault: Fault) -> Any:
@@ -121,8 +137,14 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             ]
             self.eos = eos
             self.prompts: list[list[int]] = []
-            self.live: list[tuple[int, int, list[int], SamplingParams]] = []
-            self.expected: dict[int, tuple[list[int], str]] = {}
+            self.live: list[str] = []
+            """Request ids, the same in both engines."""
+            self.expected: dict[str, tuple[list[int], str]] = {}
+            self.streamed: dict[str, int] = {}
+            """Tokens each live request has reported so far (outputs are cumulative)."""
+            self.next_id = 0
+            self.seq_names: list[dict[int, str]] = [{}, {}]
+            """Each engine's sequence ids, named by request id."""
 
         @property
         def engine(self) -> LLMEngine:
@@ -145,9 +167,14 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                 ignore_eos=data.draw(st.booleans(), label="ignore_eos"),
                 stop_token_ids=tuple(data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=1))),
             )
-            ids = [e.add_request(prompt, params) for e in self.engines]
-            self.live.append((ids[0], ids[1], prompt, params))
-            self.expected[ids[0]] = reference_generate(
+            rid = str(self.next_id)
+            self.next_id += 1
+            for e, names in zip(self.engines, self.seq_names, strict=True):
+                e.add_request(rid, prompt, params)
+                names[e._requests[rid].completions[0].seq.seq_id] = rid
+            self.live.append(rid)
+            self.streamed[rid] = 0
+            self.expected[rid] = reference_generate(
                 prompt,
                 params,
                 vocab_size=VOCAB,
@@ -209,52 +236,72 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             assert ran[0] == ran[1], "only one engine ran its model"
             if ran[0]:
                 self._compare_batches([r.batches[-1] for r in runners])  # type: ignore[attr-defined]
-            assert [(self._a_id(o.request_id), o.token_ids) for o in outs[1]] == [
-                (o.request_id, o.token_ids) for o in outs[0]
-            ]
-            by_index = {a: i for i, (a, _, _, _) in enumerate(self.live)}
+            assert [_without_times(o) for o in outs[0]] == [_without_times(o) for o in outs[1]], (
+                "the engines reported differently"
+            )
             for out in outs[0]:
                 self._check_output(out)
-                del self.live[by_index[out.request_id]]
-                by_index = {a: i for i, (a, _, _, _) in enumerate(self.live)}
 
-        def _a_id(self, b_id: int) -> int:
-            return next(a for a, b, _, _ in self.live if b == b_id)
+        def _request_of(self, engine: LLMEngine, seq_id: int) -> str:
+            return next(
+                rid for rid, r in engine._requests.items() if r.completions[0].seq.seq_id == seq_id
+            )
 
         def _compare_batches(self, batches: list[Any]) -> None:
-            renamed = [(b, n) for b, n in batches[1][1]]
-            id_b_to_a = {b: a for a, b, _, _ in self.live}
+            named = [
+                [(names[sid], n) for sid, n in b[1]]
+                for names, b in zip(self.seq_names, batches, strict=True)
+            ]
             assert batches[0][0] == batches[1][0]
-            assert batches[0][1] == [(id_b_to_a[b], n) for b, n in renamed], "schedules differ"
+            assert named[0] == named[1], "schedules differ"
             batch = batches[0][1]
             assert len(batch) <= self.config.max_num_seqs
             assert sum(n for _, n in batch) <= self.config.max_num_batched_tokens
             assert all(n >= 1 for _, n in batch)
 
         def _check_output(self, out: RequestOutput) -> None:
-            tokens, reason = self.expected.pop(out.request_id)
-            assert list(out.token_ids) == tokens, (out, tokens)
-            assert out.finish_reason == reason
-            assert out.text == "".join(f"<{t}>" for t in tokens)
+            rid = out.request_id
+            assert rid in self.live, f"an output for {rid}, which is not live"
+            (completion,) = out.outputs
+            tokens, reason = self.expected[rid]
+            got = completion.token_ids
+            # Streaming: cumulative, never shrinking, always a prefix of the oracle's.
+            assert got == tokens[: len(got)], (out, tokens)
+            assert len(got) >= self.streamed[rid], "an output went backwards"
+            self.streamed[rid] = len(got)
+            assert completion.text == "".join(f"<{t}>" for t in got), (completion, out)
+            assert out.finished == (completion.finish_reason is not None)
+            if out.finished:  # exactly once: the request then leaves the engine
+                assert got == tokens and completion.finish_reason == reason, (out, tokens)
+                self.live.remove(rid)
+                del self.expected[rid], self.streamed[rid]
 
         @precondition(lambda self: bool(self.live))
         @rule(data=st.data())
         def abort_request(self, data: st.DataObject) -> None:
-            a, b, _, _ = data.draw(st.sampled_from(self.live), label="abort")
-            assert self.engines[0].abort_request(a) and self.engines[1].abort_request(b)
-            self.live = [r for r in self.live if r[0] != a]
-            del self.expected[a]
+            rid = data.draw(st.sampled_from(self.live), label="abort")
+            assert self.engines[0].abort_request(rid) and self.engines[1].abort_request(rid)
+            assert not self.engines[0].abort_request(rid), "aborted twice"
+            self.live.remove(rid)
+            del self.expected[rid], self.streamed[rid]
 
         @invariant()
         def consistent(self) -> None:
-            for engine, live in zip(
-                self.engines, ([r[0] for r in self.live], [r[1] for r in self.live]), strict=True
-            ):
+            for engine in self.engines:
                 sched = engine.scheduler
                 waiting, running = list(sched.waiting), list(sched.running)
+                assert sorted(engine._requests) == sorted(self.live)
                 queued = [s.seq_id for s in waiting + running + sched.finished]
-                # Every unfinished request sits in exactly one queue (so abort finds it).
-                assert sorted(queued) == sorted(live), (queued, live)
+                # Every unfinished request sits in exactly one queue (so abort finds it),
+                # or has finished and waits to be reported.
+                unreported = [
+                    c.seq.seq_id
+                    for r in engine._requests.values()
+                    for c in r.completions
+                    if c.finish_reason is not None
+                ]
+                live = [r.completions[0].seq.seq_id for r in engine._requests.values()]
+                assert sorted(queued + unreported) == sorted(live), (queued, unreported, live)
                 assert all(not s.block_table for s in waiting + sched.finished)
                 assert not sched._in_flight, "a step left sequences in flight"
                 for s in running:

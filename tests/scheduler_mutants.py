@@ -75,11 +75,11 @@ class RecoverKeepsDecodeGrowth(Scheduler):
     """After a failed step, decoding sequences are "restored" by putting them back in
     running as they are: the block ``may_append`` gave them in the failed step is kept."""
 
-    def recover(self) -> None:
+    def recover(self) -> list[Sequence]:
         decoding = [s for s in self._in_flight if not s.is_prefill and s.block_table]
         for seq in decoding:
             del self._in_flight[seq]
             seq.num_scheduled_tokens = 0
             if seq not in self.running:
                 self.running.append(seq)
-        super().recover()
+        return super().recover()

@@ -40,7 +40,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def check(llm: LLM, prompts: list[list[int]], refs: list[Reference]) -> None:
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    verdicts = [compare(list(o.token_ids), r) for o, r in zip(outs, refs, strict=True)]
+    verdicts = [compare(o.outputs[0].token_ids, r) for o, r in zip(outs, refs, strict=True)]
     real = [v for v in verdicts if v not in ("same", "tie")]
     ties = verdicts.count("tie")
     print(f"{verdicts.count('same')} identical, {ties} ties, {len(real)} differences")

@@ -66,7 +66,7 @@ def references(tiny_model_dir: Path, prompts: list[list[int]]) -> list[Reference
 
 def check(llm: LLM, prompts: list[list[int]], refs: list[Reference]) -> None:
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    verdicts = [compare(list(o.token_ids), r) for o, r in zip(outs, refs, strict=True)]
+    verdicts = [compare(o.outputs[0].token_ids, r) for o, r in zip(outs, refs, strict=True)]
     real = [v for v in verdicts if v not in ("same", "tie")]
     assert not real, real
     assert verdicts.count("tie") <= 1, f"too many ties: {verdicts}"

@@ -11,7 +11,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.engine.indexing import num_blocks
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.sampling_params import SamplingParams
-from tests.engine_machine import VOCAB, build_engine
+from tests.engine_machine import VOCAB, add, build_engine
 from tests.fake_model import reference_generate
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -55,14 +55,14 @@ def test_generate_returns_outputs_in_input_order_with_per_prompt_params() -> Non
     prompts = [[1, 2, 3, 4, 1], [1, 2, 3, 4, 2], [3] * 9]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
     outs = engine.generate(prompts, params, use_tqdm=False)
-    assert [o.prompt_token_ids for o in outs] == [tuple(p) for p in prompts]
+    assert [o.prompt_token_ids for o in outs] == prompts
     for out, prompt, sp in zip(outs, prompts, params, strict=True):
-        assert list(out.token_ids) == expected(prompt, sp, engine)
-        assert out.finish_reason == "length"
+        assert list(out.outputs[0].token_ids) == expected(prompt, sp, engine)
+        assert out.outputs[0].finish_reason == "length"
     # the second prompt shares a full block ([1, 2, 3, 4]) with the first, admitted before it
     # was computed, so it is recomputed; a rerun is served from the prefix cache
     again = engine.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     assert [o.num_cached_tokens for o in again] == [4, 4, 8]
     stats = engine.last_run_stats
     assert stats is not None and stats.cached_prompt_tokens == 16 and stats.prompt_tokens == 19
@@ -78,16 +78,22 @@ def test_stop_reasons() -> None:
         SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop,), ignore_eos=True),
         use_tqdm=False,
     )[0]
-    assert list(out.token_ids) == free[: free.index(stop) + 1] and out.finish_reason == "stop"
+    assert (
+        list(out.outputs[0].token_ids) == free[: free.index(stop) + 1]
+        and out.outputs[0].finish_reason == "stop"
+    )
     engine.scheduler.eos_token_ids = frozenset({free[1]})
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    assert list(out.token_ids) == free[: free.index(free[1]) + 1] and out.finish_reason == "stop"
+    assert (
+        list(out.outputs[0].token_ids) == free[: free.index(free[1]) + 1]
+        and out.outputs[0].finish_reason == "stop"
+    )
 
 
 def test_abort_frees_blocks_at_once_and_others_finish() -> None:
     engine = make_engine()
-    a = engine.add_request([1, 2, 3, 4, 0, 1], GREEDY)
-    b = engine.add_request([2, 2, 2], GREEDY)
+    a = add(engine, [1, 2, 3, 4, 0, 1], GREEDY)
+    b = add(engine, [2, 2, 2], GREEDY)
     engine.step()  # both admitted and prefilled
     free_before = engine.block_manager.num_free_blocks
     assert engine.abort_request(a)
@@ -95,9 +101,9 @@ def test_abort_frees_blocks_at_once_and_others_finish() -> None:
     assert not engine.abort_request(a)  # already gone
     outs = []
     while engine.has_unfinished_requests():
-        outs += engine.step()
+        outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == [b]
-    assert list(outs[0].token_ids) == expected([2, 2, 2], GREEDY, engine)
+    assert list(outs[0].outputs[0].token_ids) == expected([2, 2, 2], GREEDY, engine)
 
 
 def test_liveness_with_the_smallest_legal_pool() -> None:
@@ -114,7 +120,7 @@ def test_liveness_with_the_smallest_legal_pool() -> None:
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     outs = engine.generate(prompts, params, use_tqdm=False)
     for out, prompt in zip(outs, prompts, strict=True):
-        assert list(out.token_ids) == expected(prompt, params, engine)
+        assert list(out.outputs[0].token_ids) == expected(prompt, params, engine)
     stats = engine.last_run_stats
     assert stats is not None and stats.preemptions > 0
     assert engine.block_manager.num_free_blocks == cfg.num_kvcache_blocks
@@ -127,7 +133,7 @@ BAD_REQUESTS = [
     ([1, 2.0], GREEDY, TypeError, "not an int"),
     ([1, True], GREEDY, TypeError, "not an int"),
     ("text", GREEDY, TypeError, "needs a tokenizer"),
-    (42, GREEDY, TypeError, "string or a list of token ids"),
+    (42, GREEDY, TypeError, "a string, a list of token ids or a prompt dict"),
     ([1] * 30, SamplingParams(max_tokens=3), ValueError, "exceeds max_model_len"),
     ([1, 2], {"max_tokens": 0}, ValueError, "max_tokens"),
     ([1, 2], {"temperature": -0.5}, ValueError, "temperature"),
@@ -145,19 +151,19 @@ def test_bad_request_is_refused_and_changes_nothing(
     prompt: Any, params: Any, exc: type, words: str
 ) -> None:
     engine = make_engine()
-    busy = engine.add_request([4, 4, 4, 4, 4], GREEDY)  # other work in flight
+    busy = add(engine, [4, 4, 4, 4, 4], GREEDY)  # other work in flight
     engine.step()
     before = engine_state(engine)
     with pytest.raises(exc, match=words):
-        engine.add_request(prompt, params)
+        add(engine, prompt, params)
     assert engine_state(engine) == before
     # the engine keeps serving: the request in flight and a new one match the oracle
-    new = engine.add_request([1, 2, 3], GREEDY)
+    new = add(engine, [1, 2, 3], GREEDY)
     outs = {}
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step()})
-    assert list(outs[busy].token_ids) == expected([4, 4, 4, 4, 4], GREEDY, engine)
-    assert list(outs[new].token_ids) == expected([1, 2, 3], GREEDY, engine)
+    assert list(outs[busy].outputs[0].token_ids) == expected([4, 4, 4, 4, 4], GREEDY, engine)
+    assert list(outs[new].outputs[0].token_ids) == expected([1, 2, 3], GREEDY, engine)
     assert engine.block_manager.num_free_blocks == 16
 
 
@@ -171,18 +177,18 @@ def test_generate_with_one_bad_request_queues_nothing(
         engine.generate([[1, 2, 3], prompt], [GREEDY, params], use_tqdm=False)
     assert engine_state(engine) == before and not engine.has_unfinished_requests()
     out = engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
-    assert list(out.token_ids) == expected([1, 2, 3], GREEDY, engine)
+    assert list(out.outputs[0].token_ids) == expected([1, 2, 3], GREEDY, engine)
 
 
 def test_a_request_larger_than_the_pool_is_refused() -> None:
     engine = make_engine(num_kvcache_blocks=3, max_model_len=64)  # 12 token slots
     with pytest.raises(ValueError, match="needs 4 KV blocks at full length but the pool has 3"):
-        engine.add_request([1] * 10, SamplingParams(max_tokens=4))
+        add(engine, [1] * 10, SamplingParams(max_tokens=4))
     assert not engine.has_unfinished_requests()
     out = engine.generate(
         [[1] * 10], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
     )
-    assert len(out[0].token_ids) == 3
+    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_params_list_length_must_match_prompts() -> None:
@@ -194,7 +200,7 @@ def test_params_list_length_must_match_prompts() -> None:
 
 def test_generate_needs_an_idle_engine() -> None:
     engine = make_engine()
-    engine.add_request([1, 2], GREEDY)
+    add(engine, [1, 2], GREEDY)
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.generate([[1]], GREEDY, use_tqdm=False)
 
@@ -213,10 +219,13 @@ def test_a_request_whose_prefix_is_being_computed_waits_a_step_and_hits_it() -> 
     outs = engine.generate(prompts, GREEDY, use_tqdm=False)
     # prompt 3 has only two blocks: its second is its last, never looked up, so it hits one
     assert [o.num_cached_tokens for o in outs] == [0, 8, 0, 4]
-    assert [list(o.token_ids) for o in outs] == [expected(p, GREEDY, engine) for p in prompts]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        expected(p, GREEDY, engine) for p in prompts
+    ]
     batches = engine.model_runner.batches  # type: ignore[attr-defined]
-    first_step = [seq_id for seq_id, _ in batches[0][1]]
-    assert first_step == [outs[0].request_id, outs[2].request_id]  # 1 and 3 deferred
+    # prompts 0 and 2 (9 and 3 tokens) in the first step; 1 and 3 deferred
+    assert [n for _, n in batches[0][1]] == [9, 3]
+    assert [n for _, n in batches[1][1]] == [1, 4]  # a prefill step: the hits' uncached rows
 
 
 def test_without_prefix_caching_nothing_is_deferred() -> None:

@@ -15,9 +15,9 @@ import pytest
 from paged_engine import LLM
 from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import LLMEngine
-from paged_engine.engine.scheduler import FailedSample
+from paged_engine.engine.outputs import FailedSample
 from paged_engine.sampling_params import SamplingParams
-from tests.engine_machine import VOCAB, build_engine
+from tests.engine_machine import VOCAB, add, build_engine
 from tests.fake_model import FakeModelRunner, FakeTokenizer, reference_generate
 
 CONFIG = EngineConfig(
@@ -74,9 +74,9 @@ def check_generate_recovers(
     assert_idle_and_whole(engine)
     partial = info.value.partial_outputs  # type: ignore[attr-defined]
     for out in partial:  # finished before the fault: complete and correct
-        assert list(out.token_ids) == expected_tokens(list(out.prompt_token_ids))
+        assert list(out.outputs[0].token_ids) == expected_tokens(list(out.prompt_token_ids))
     outs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert [list(o.token_ids) for o in outs] == [expected_tokens(p) for p in PROMPTS]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [expected_tokens(p) for p in PROMPTS]
     assert_idle_and_whole(engine)
 
 
@@ -163,7 +163,7 @@ def test_step_on_an_idle_engine_returns_nothing_and_changes_no_counter() -> None
 
 def test_a_retried_step_produces_the_tokens_of_a_run_without_the_fault() -> None:
     engine = build_engine(CONFIG, spec=False)
-    ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    ids = [add(engine, p, PARAMS) for p in PROMPTS]
     runner: Any = engine.model_runner
     outs: dict[int, list[int]] = {}
     failures = 0
@@ -171,13 +171,13 @@ def test_a_retried_step_produces_the_tokens_of_a_run_without_the_fault() -> None
         runner.fault.arm(1, KeyboardInterrupt)  # every other step fails after one write
         try:
             for out in engine.step():
-                outs[out.request_id] = list(out.token_ids)
+                outs[out.request_id] = list(out.outputs[0].token_ids)
         except KeyboardInterrupt:
             failures += 1
             engine.block_manager.check_invariants(engine.scheduler.running)  # type: ignore[attr-defined]
         runner.fault.disarm()
         for out in engine.step():
-            outs[out.request_id] = list(out.token_ids)
+            outs[out.request_id] = list(out.outputs[0].token_ids)
     assert failures > 3
     assert engine.scheduler.stats.failed_steps == failures
     assert [outs[i] for i in ids] == [expected_tokens(p) for p in PROMPTS]
@@ -188,7 +188,7 @@ def test_a_failed_detokenisation_loses_no_finished_request() -> None:
     wide = replace(CONFIG, max_num_batched_tokens=64)
     engine = build_engine(wide, spec=False, tokenizer=tokenizer)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in PROMPTS[1:]]  # no shared prefix: one step
+    ids = [add(engine, p, params) for p in PROMPTS[1:]]  # no shared prefix: one step
     tokenizer.fault.arm(1, ValueError)  # the second output's decode raises
     with pytest.raises(ValueError, match="injected"):
         engine.step()
@@ -197,7 +197,7 @@ def test_a_failed_detokenisation_loses_no_finished_request() -> None:
     assert sorted(o.request_id for o in outs) == sorted(ids)
     assert engine.model_runner.calls == 1  # type: ignore[attr-defined]
     for out in outs:
-        assert out.text == "".join(
+        assert out.outputs[0].text == "".join(
             f"<{t}>" for t in expected_tokens(list(out.prompt_token_ids), params)
         )
     assert_idle_and_whole(engine)
@@ -208,8 +208,8 @@ def test_a_finished_but_undelivered_request_can_be_aborted() -> None:
     wide = replace(CONFIG, max_num_batched_tokens=64)
     engine = build_engine(wide, spec=False, tokenizer=tokenizer)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    a = engine.add_request(PROMPTS[1], params)
-    b = engine.add_request(PROMPTS[2], params)
+    a = add(engine, PROMPTS[1], params)
+    b = add(engine, PROMPTS[2], params)
     tokenizer.fault.arm(0, ValueError)
     with pytest.raises(ValueError):
         engine.step()
@@ -240,11 +240,11 @@ def test_a_failed_sample_finishes_only_its_request_with_error() -> None:
     outs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
     for out, prompt in zip(outs, PROMPTS, strict=True):
         if prompt[0] == 4:
-            assert out.finish_reason == "error" and out.token_ids == ()
-            assert out.stop_reason == "logits are not finite"
+            assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+            assert out.outputs[0].stop_reason == "logits are not finite"
         else:
-            assert list(out.token_ids) == expected_tokens(prompt)
-            assert out.finish_reason == "length" and out.stop_reason is None
+            assert list(out.outputs[0].token_ids) == expected_tokens(prompt)
+            assert out.outputs[0].finish_reason == "length" and out.outputs[0].stop_reason is None
     assert_idle_and_whole(engine)
 
 
@@ -278,7 +278,7 @@ def test_llm_generate_after_a_fault_at_every_model_call_is_exact(tiny_model_dir:
     )
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6], [5, 6, 7, 8, 9, 10, 11, 12, 14], [20, 21, 22]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    clean = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.last_run_stats is not None and llm.last_run_stats.preemptions > 0
     fail_at: list[int | None] = [None]
     calls = _faulty_forward(llm, lambda i: i == fail_at[0])
@@ -296,4 +296,6 @@ def test_llm_generate_after_a_fault_at_every_model_call_is_exact(tiny_model_dir:
         llm.engine.block_manager.check_invariants([])  # type: ignore[attr-defined]
         calls.clear()
         fail_at[0] = None
-        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == clean
+        assert [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ] == clean

@@ -1,5 +1,5 @@
 """The user-facing LLM: refused construction before allocation, bad requests through
-generate (text prompts too), text outputs, seeded sampling, the CLI."""
+generate (text prompts too), text outputs, seeded sampling. The CLI: tests/test_cli.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 
 import paged_engine.worker.model_runner as model_runner
 from paged_engine import LLM, SamplingParams
-from paged_engine.__main__ import main as cli
 
 SMALL = dict(num_kvcache_blocks=64, max_model_len=128)
 
@@ -109,16 +108,27 @@ def test_bad_requests_through_generate(
     again = llm.generate(
         ["hello world"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
     )
-    assert again[0].token_ids == good[0].token_ids
+    assert again[0].outputs[0].token_ids == good[0].outputs[0].token_ids
 
 
 def test_text_prompts_give_text(llm: LLM) -> None:
     out = llm.generate(
         ["the cache"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
     )[0]
-    assert out.prompt_token_ids == tuple(llm.tokenizer.encode("the cache"))  # type: ignore[union-attr]
-    assert out.text == llm.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)  # type: ignore[union-attr]
-    assert len(out.token_ids) == 8
+    assert out.prompt_token_ids == llm.tokenizer.encode("the cache")  # type: ignore[union-attr]
+    completion = out.outputs[0]
+    assert len(completion.token_ids) == 8 and completion.text
+    # The text, checked against another code path: detokenised token by token while
+    # streaming through the engine (generate decodes once at the end).
+    engine = llm.engine
+    engine.add_request(
+        "stream", "the cache", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
+    streamed = []
+    while engine.has_unfinished_requests():
+        streamed += engine.step()
+    assert streamed[-1].outputs[0].text == completion.text
+    assert streamed[-1].outputs[0].token_ids == completion.token_ids
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llm: LLM) -> None:
@@ -128,21 +138,10 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm: LLM) -> None:
     crowd = llm.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]], [other, seeded, other], use_tqdm=False)[
         1
     ]
-    assert crowd.token_ids == alone.token_ids
+    assert crowd.outputs[0].token_ids == alone.outputs[0].token_ids
     reseeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=99, ignore_eos=True)
-    assert llm.generate([[5, 6, 7]], reseeded, use_tqdm=False)[0].token_ids != alone.token_ids
-
-
-def test_cli_generate_and_make_tiny_model(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli(["make-tiny-model", str(tmp_path / "m"), "--seed", "3"]) == 0
-    assert (tmp_path / "m" / "config.json").is_file()
-    args = ["generate", "--model", str(tmp_path / "m"), "--prompt", "hello", "--max-tokens", "4"]
-    assert cli([*args, "--quiet", "--max-model-len", "64", "--num-kv-blocks", "8"]) == 0
-    assert capsys.readouterr().out.strip()
-    assert cli([*args, "--block-size", "0"]) == 2
-    assert "kvcache_block_size" in capsys.readouterr().err
+    again = llm.generate([[5, 6, 7]], reseeded, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
 def test_params_list_of_the_wrong_length_through_generate(llm: LLM) -> None:

@@ -215,7 +215,7 @@ def test_default_max_model_len_is_capped_by_the_model(tiny_model_dir: Path, tmp_
     assert llm.engine.config.max_model_len == 200
     prompt = list(range(3, 198))  # 195 tokens
     fits = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    out = llm.generate([prompt], fits, use_tqdm=False)[0]
+    out = llm.generate([prompt], fits, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5  # 200 tokens in all: the model's whole range
     too_long = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with pytest.raises(ValueError, match=r"max_model_len \(200\)"):
@@ -290,10 +290,10 @@ def test_every_eos_id_in_a_list_stops_generation(
     assert llm.engine.eos_token_ids == (TOKENIZER_EOS, second)
     out = llm.generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
-    )[0]
-    assert list(out.token_ids) == reference[: k + 1]
+    )[0].outputs[0]
+    assert out.token_ids == reference[: k + 1]
     assert out.finish_reason == "stop"
-    assert list(out.token_ids) == hf_generate(path)
+    assert out.token_ids == hf_generate(path)
 
 
 def test_eos_falls_back_to_the_tokenizer(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -1,90 +1,62 @@
-"""LLMEngine: requests in, finished outputs out, one scheduler step at a time.
+"""LLMEngine: requests in, vLLM-shaped outputs out, one scheduler step at a time.
 
-The engine is torch-free: the model runner is anything with ``run(seqs, is_prefill) ->
-list[int]`` (one sampled token per scheduled sequence; ignored for a prefill chunk that
-does not finish its prompt). That lets the whole loop be verified with a deterministic fake
-model in milliseconds, and the real runner (``model_runner.py``) plug in unchanged.
+The engine is torch-free: the model runner is anything with ``run(seqs, is_prefill)``
+returning one result per scheduled sequence (a token id, a ``FailedSample``, None for a
+prefill chunk that samples nothing, or a ``SampleOutput`` carrying logprobs too). That lets
+the whole loop be verified with a deterministic fake model in milliseconds, and the real
+runner (``worker/model_runner.py``) plug in unchanged.
 
-Every request is validated in full before any state changes: a refused request leaves the
-engine exactly as it was, and everything else keeps being served. Steps are atomic (see
-the scheduler's docstring): a step that raises leaves every request either as it was or
-preempted, and the engine keeps serving.
+Every request is parsed and validated in full before any state changes (``inputs.py``): a
+refused request leaves the engine exactly as it was. Steps are atomic (the scheduler's
+docstring): a step that raises leaves every request committed or preempted, and the engine
+keeps serving. Text comes after the step commits: a failure while detokenising leaves the
+affected completions behind, and the next ``step()`` finishes that work first, before it
+computes anything new, so no output is lost and no stop string is passed over.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, replace
-from numbers import Integral
+from dataclasses import replace
 from typing import Any, Protocol
-
-from tqdm.auto import tqdm
 
 from paged_engine.config import EngineConfig
 from paged_engine.engine.block_manager import BlockManager
-from paged_engine.engine.indexing import num_blocks
-from paged_engine.engine.scheduler import Allocator, FailedSample, Scheduler, SchedulerStats
+from paged_engine.engine.detokenizer import IncrementalDetokenizer
+from paged_engine.engine.inputs import (
+    Tokenizer,
+    check_request,
+    is_single_prompt,
+    parse_params,
+    parse_prompt,
+)
+from paged_engine.engine.output_processor import OutputProcessor, RunnerResult
+from paged_engine.engine.outputs import FailedSample
+from paged_engine.engine.progress import Progress
+from paged_engine.engine.request import (
+    Completion,
+    Request,
+    RequestOutput,
+)
+from paged_engine.engine.scheduler import Allocator, Scheduler
 from paged_engine.engine.sequence import Sequence
+from paged_engine.engine.stats import RunStats, run_stats
 from paged_engine.sampling_params import SamplingParams
 
-Prompt = str | SequenceABC[int]
-ParamsLike = SamplingParams | dict[str, Any]
+__all__ = ["LLMEngine", "ModelRunner", "RequestOutput", "RunStats", "Tokenizer"]
 
 
 class ModelRunner(Protocol):
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SequenceABC[int | FailedSample | None]:
-        """One sampled token per sequence (``FailedSample`` where it could not sample);
-        None (or anything) for a prefill chunk that does not finish its prompt."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SequenceABC[RunnerResult]:
+        """One result per scheduled sequence (see the module docstring)."""
         ...
 
 
-class Tokenizer(Protocol):
-    def encode(self, text: Any) -> Any: ...
-    def decode(self, token_ids: Any, skip_special_tokens: bool = ...) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    """The generated tokens (the prompt excluded)."""
-    finish_reason: str
-    """"stop" (EOS or a stop token), "length" (max_tokens or max_model_len) or "error"
-    (the model's output for it could not be sampled: ``stop_reason`` says why)."""
-    num_cached_tokens: int
-    """Prompt tokens served from the prefix cache when the request was first admitted."""
-    text: str | None = None
-    stop_reason: str | None = None
-    """For ``finish_reason == "error"``: why."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunStats:
-    """What one ``generate`` call did (the scheduler's counters over the run)."""
-
-    num_requests: int
-    prompt_tokens: int
-    prefill_tokens: int
-    """Tokens computed by prefill steps: uncached prompt tokens plus recomputation."""
-    decode_tokens: int
-    cached_prompt_tokens: int
-    preemptions: int
-    peak_blocks_in_use: int
-    num_blocks: int
-    steps: int
-    elapsed_s: float
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        """Generated tokens (one per request per decode step plus the prefill's first)."""
-        return (self.decode_tokens + self.num_requests) / self.elapsed_s if self.elapsed_s else 0.0
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a seeded request: ``seed`` itself for the first
+    (so ``n=1`` samples as before), a distinct odd-multiplier mix for the others."""
+    return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % 2**64
 
 
 class LLMEngine:
@@ -102,17 +74,13 @@ class LLMEngine:
     ) -> None:
         """``eos_token_id`` is one id or several (a model whose generation config lists
         several stops at each); ``num_kvcache_blocks`` is the pool the runner allocated
-        (default: the config's);
-        ``block_manager`` replaces the engine's allocator (tests run the spec in the loop),
-        ``scheduler_cls`` the scheduler (tests run deliberately broken ones)."""
+        (default: the config's); ``block_manager`` replaces the engine's allocator (tests
+        run the spec in the loop), ``scheduler_cls`` the scheduler (tests run broken ones)."""
         pool = num_kvcache_blocks or config.num_kvcache_blocks
         if pool is None:
             raise ValueError("the KV pool size is unknown: set config.num_kvcache_blocks")
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
-        self.config = config
-        self.model_runner = model_runner
-        self.vocab_size = vocab_size
         if eos_token_id is None:
             eos_ids: tuple[int, ...] = ()
         elif isinstance(eos_token_id, int):
@@ -122,6 +90,9 @@ class LLMEngine:
         for e in eos_ids:
             if not isinstance(e, int) or isinstance(e, bool) or e < 0:
                 raise ValueError(f"eos_token_id must hold ints >= 0, got {eos_token_id!r}")
+        self.config = config
+        self.model_runner = model_runner
+        self.vocab_size = vocab_size
         self.eos_token_ids = eos_ids
         self.tokenizer = tokenizer
         self.num_blocks = pool
@@ -129,6 +100,7 @@ class LLMEngine:
             pool,
             config.kvcache_block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            hash_algorithm=config.prefix_cache_hash,
         )
         self.scheduler = scheduler_cls(
             self.block_manager,
@@ -139,146 +111,144 @@ class LLMEngine:
             eos_token_ids=eos_ids,
             prefix_aware=config.enable_prefix_caching,
         )
-        self._requests: dict[int, Sequence] = {}
+        self._requests: dict[str, Request] = {}
+        self.outputs = OutputProcessor(self._requests, self.scheduler, tokenizer)
+        self._next_id = 0
         self.last_run_stats: RunStats | None = None
-
-    # ---- validation ------------------------------------------------------------------------
-
-    def _prompt_tokens(self, prompt: object, where: str) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise TypeError(f"{where}: a text prompt needs a tokenizer; pass token ids")
-            tokens = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, list | tuple):
-            tokens = list(prompt)
-        else:
-            raise TypeError(
-                f"{where}: a prompt is a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not tokens:
-            raise ValueError(f"{where}: the prompt is empty")
-        # The common case, checked at C speed; otherwise find and name the offending token.
-        if set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < self.vocab_size:
-            return tokens
-        ids: list[int] = []
-        for i, t in enumerate(tokens):
-            if not isinstance(t, Integral) or isinstance(t, bool):
-                raise TypeError(f"{where}: token {i} is {t!r}, not an int")
-            if not 0 <= int(t) < self.vocab_size:
-                raise ValueError(
-                    f"{where}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})"
-                )
-            ids.append(int(t))
-        return ids
-
-    @staticmethod
-    def _params(params: object, where: str) -> SamplingParams:
-        if isinstance(params, SamplingParams):
-            return params
-        if isinstance(params, dict):
-            return SamplingParams.from_dict(params)
-        raise TypeError(
-            f"{where}: sampling params must be SamplingParams or a dict, got {params!r}"
-        )
-
-    def _validate(
-        self, prompt: object, params: object, where: str
-    ) -> tuple[list[int], SamplingParams]:
-        tokens = self._prompt_tokens(prompt, where)
-        sp = self._params(params, where)
-        cfg = self.config
-        if len(tokens) + sp.max_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"{where}: prompt ({len(tokens)} tokens) + max_tokens ({sp.max_tokens}) "
-                f"exceeds max_model_len ({cfg.max_model_len})"
-            )
-        # The last sampled token is never computed, so it needs no slot.
-        need = num_blocks(len(tokens) + sp.max_tokens - 1, cfg.kvcache_block_size)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"{where}: the request needs {need} KV blocks at full length but the pool "
-                f"has {self.num_blocks}"
-            )
-        return tokens, sp
 
     # ---- the request API -------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: ParamsLike | None = None) -> int:
-        """Queue a request; returns its id. Refused (ValueError/TypeError) before any change."""
-        tokens, sp = self._validate(prompt, params or SamplingParams(), "add_request")
-        return self._add(tokens, sp)
+    def add_request(
+        self,
+        request_id: str,
+        prompt: object,
+        params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request (vLLM's signature). ``prompt``: text, token ids, or a
+        ``TextPrompt``/``TokensPrompt`` dict (optionally with ``cache_salt``). Its text is
+        produced step by step, for streaming through ``step()``. Refused (ValueError or
+        TypeError) before anything changes."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        request = self._build(request_id, prompt, params, "add_request", stream=True)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self._enqueue(request)
 
-    def _add(self, tokens: list[int], params: SamplingParams) -> int:
-        seq = Sequence(tokens, params, block_size=self.config.kvcache_block_size)
-        self._requests[seq.seq_id] = seq
-        self.scheduler.add(seq)
-        return seq.seq_id
+    def _build(
+        self, request_id: str, prompt: object, params: object, where: str, *, stream: bool
+    ) -> Request:
+        parsed = parse_prompt(prompt, self.tokenizer, self.vocab_size, where)
+        sp = parse_params(params, where)
+        has_tok = self.tokenizer is not None
+        check_request(
+            parsed.token_ids, sp, self.config, self.num_blocks, where, has_tokenizer=has_tok
+        )
+        bs = self.config.kvcache_block_size
+        completions = []
+        for i in range(sp.n):
+            child = sp if sp.seed is None or i == 0 else replace(sp, seed=child_seed(sp.seed, i))
+            salt = parsed.cache_salt
+            if i == 0 and sp.prompt_logprobs is not None:
+                # Prompt logprobs need every prompt row computed: a salt no other request
+                # has makes the prefix cache miss (R4s), without a rule of its own.
+                salt = f"{salt or ''}\x00prompt_logprobs\x00{request_id}\x00{id(parsed)}"
+            seq = Sequence(list(parsed.token_ids), child, block_size=bs, cache_salt=salt)
+            incremental = has_tok and sp.detokenize and (stream or bool(sp.stop))
+            detok = IncrementalDetokenizer(parsed.token_ids, sp.skip_special_tokens)
+            completions.append(Completion(i, seq, detok if incremental else None))
+        request = Request(request_id, parsed.text, parsed.token_ids, sp, completions)
+        if sp.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(parsed.token_ids)
+            request.decoded_prompt_logprobs = [None] * len(parsed.token_ids)
+        return request
 
-    def abort_request(self, request_id: int) -> bool:
-        """Drop a request and free its blocks at once; False if it is not in the engine
-        (a finished request whose output was not delivered yet can still be aborted)."""
-        seq = self._requests.pop(request_id, None)
-        return seq is not None and self.scheduler.abort(seq)
+    def _enqueue(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        for c in request.completions:
+            self.outputs.owner[c.seq] = (request, c)
+            self.scheduler.add(c.seq)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> bool:
+        """Drop requests and free their blocks at once (also a finished request whose
+        output was not returned yet). True if any was in the engine."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        found = False
+        for rid in ids:
+            request = self._requests.pop(rid, None)
+            if request is None:
+                continue
+            found = True
+            for c in request.completions:
+                self.scheduler.abort(c.seq)
+            self.outputs.forget(request)
+        return found
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request waits, runs, or has an output not yet returned."""
-        return not self.scheduler.is_finished() or bool(self.scheduler.finished)
+        """True while a request waits, runs, or has an output not returned yet."""
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's name); False, changing nothing, while any
+        request holds blocks."""
+        if self._requests:
+            return False
+        reset = getattr(self.block_manager, "reset_prefix_cache", None)
+        return bool(reset()) if reset is not None else False
+
+    # ---- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step through the model; return the requests finished in it
-        (and any finished earlier whose outputs a failed step did not deliver).
+        """Run one scheduler step; return a cumulative ``RequestOutput`` for every request
+        that produced a token (or finished) in it, and for any whose news a failed step
+        did not return.
 
-        If anything raises (the scheduler, the model runner, the sampler, building an
-        output, KeyboardInterrupt), the same exception propagates. The scheduler has then
-        recovered (see its docstring): every request is either committed or preempted,
-        and calling ``step()`` again goes on as if the fault had not happened. Finished
-        requests are delivered only once every one of their outputs is built, so a
-        failure there loses none: they come out of the next ``step()``. On an idle
+        If anything raises (the scheduler, the model runner, the sampler, the tokenizer,
+        KeyboardInterrupt), the same exception propagates and nothing is lost: the
+        scheduler has recovered (every sequence committed or preempted), and text still
+        to produce is produced by the next call before it computes anything. On an idle
         engine it returns ``[]`` and changes nothing.
         """
+        return self._step(report_running=True)
+
+    def _step(self, report_running: bool) -> list[RequestOutput]:
+        self.outputs.catch_up()
         sched = self.scheduler
         if not sched.is_finished():
             seqs, is_prefill = sched.schedule()
+            tokens: list[int | FailedSample | None] | None = None
             try:
-                token_ids = self.model_runner.run(seqs, is_prefill)
-                sched.postprocess(seqs, token_ids, is_prefill)
+                results = self.model_runner.run(seqs, is_prefill)
+                tokens = self.outputs.absorb(seqs, results)
+                sched.postprocess(seqs, tokens, is_prefill)
             except BaseException:
-                sched.recover()
+                undone = set(sched.recover())
+                if tokens is not None:  # postprocess committed some before it raised
+                    kept = [(s, t) for s, t in zip(seqs, tokens, strict=True) if s not in undone]
+                    self.outputs.note([s for s, _ in kept], [t for _, t in kept], report_running)
                 raise
-        if not sched.finished:
-            return []
-        outputs = [self._output(seq) for seq in sched.finished]
-        for seq in sched.finished:
-            del self._requests[seq.seq_id]
-            sched.errors.pop(seq.seq_id, None)
-        sched.finished.clear()
-        return outputs
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = seq.completion_token_ids
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(completion, skip_special_tokens=True)
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=tuple(seq.prompt_token_ids),
-            token_ids=tuple(completion),
-            finish_reason=self.scheduler.finish_reason(seq),
-            num_cached_tokens=seq.num_prefix_hit_tokens or 0,
-            text=text,
-            stop_reason=self.scheduler.errors.get(seq.seq_id),
-        )
+            self.outputs.note(seqs, tokens, report_running)
+            self.outputs.catch_up()
+        return self.outputs.report(report_running)
 
     # ---- batch generation ------------------------------------------------------------------
 
     def generate(
         self,
-        prompts: SequenceABC[Prompt],
-        params: ParamsLike | SequenceABC[ParamsLike] | None = None,
+        prompts: object,
+        params: object = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run ``prompts`` to completion; outputs in input order. ``params`` is one set for
-        all prompts or one per prompt. Every request is validated before any is queued.
+        """Run ``prompts`` (one prompt or a list) to completion; outputs in input order.
+        ``params`` is one ``SamplingParams`` for all or a list with one per prompt. Every
+        request is validated before any is queued.
 
         If a step raises, the requests this call added are aborted (every block is freed;
         blocks they completed stay registered in the prefix cache, which is valid) and the
@@ -290,55 +260,58 @@ class LLMEngine:
                 "generate() needs an idle engine: requests added with add_request() are "
                 "unfinished; drive them with step() first"
             )
-        if isinstance(prompts, str) or not isinstance(prompts, SequenceABC):
-            raise TypeError("prompts must be a list of prompts (strings or token-id lists)")
+        batch = [prompts] if is_single_prompt(prompts) else prompts
+        if not isinstance(batch, list | tuple):
+            raise TypeError(
+                "prompts must be a prompt (a string, token ids or a prompt dict) or a list "
+                f"of them, got {type(prompts).__name__}"
+            )
+        if not batch:
+            raise ValueError("prompts is empty")
         if params is None or isinstance(params, SamplingParams | dict):
-            per_prompt: list[Any] = [params or SamplingParams()] * len(prompts)
-        else:
+            per_prompt: list[object] = [params] * len(batch)
+        elif isinstance(params, list | tuple):
             per_prompt = list(params)
-            if len(per_prompt) != len(prompts):
-                raise ValueError(
-                    f"got {len(per_prompt)} sampling params for {len(prompts)} prompts"
-                )
-        checked = [
-            self._validate(p, sp, f"prompt {i}")
-            for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True))
+            if len(per_prompt) != len(batch):
+                raise ValueError(f"got {len(per_prompt)} sampling params for {len(batch)} prompts")
+        else:
+            raise TypeError(
+                "sampling_params must be SamplingParams or a list of them, "
+                f"got {type(params).__name__}"
+            )
+        requests = [
+            self._build(str(self._next_id + i), p, sp, f"prompt {i}", stream=False)
+            for i, (p, sp) in enumerate(zip(batch, per_prompt, strict=True))
         ]
-        ids = [self._add(tokens, sp) for tokens, sp in checked]
-        before = _copy_stats(self.scheduler.stats)
+        self._next_id += len(requests)
+        for r in requests:
+            self._enqueue(r)
+        return self._run_to_completion(requests, use_tqdm)
+
+    def _run_to_completion(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        before = replace(self.scheduler.stats)
         self.scheduler.stats.peak_blocks_in_use = 0
-        outputs: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
-        prefill_rate = decode_rate = 0.0
-        start = time.perf_counter()
+        outputs: dict[str, RequestOutput] = {}
+        progress = Progress(len(requests), self.scheduler.stats, enabled=use_tqdm)
         try:
             while self.has_unfinished_requests():
-                t0 = time.perf_counter()
-                stats = self.scheduler.stats
-                prefill0, decode0 = stats.prefill_tokens, stats.decode_tokens
-                for out in self.step():
+                if self.scheduler.is_finished() and not self.outputs.pending:
+                    raise RuntimeError("generate: requests remain but nothing can run (a bug)")
+                done = self._step(report_running=False)
+                for out in done:
                     outputs[out.request_id] = out
-                    bar.update(1)
-                dt = max(time.perf_counter() - t0, 1e-9)
-                if stats.prefill_tokens > prefill0:
-                    prefill_rate = (stats.prefill_tokens - prefill0) / dt
-                else:
-                    decode_rate = (stats.decode_tokens - decode0) / dt
-                bar.set_postfix_str(
-                    f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
-                    refresh=False,  # redrawn at tqdm's own pace, not every step
-                )
+                progress.update(done)
         except BaseException as exc:
-            for i in ids:
-                self.abort_request(i)
-            _attach_partial_outputs(exc, [outputs[i] for i in ids if i in outputs])
+            self.abort_request([r.request_id for r in requests])
+            partial = [outputs[r.request_id] for r in requests if r.request_id in outputs]
+            _attach_partial_outputs(exc, partial)
             raise
         finally:
-            bar.close()
-        self.last_run_stats = _run_stats(
-            before, self.scheduler.stats, len(ids), self.num_blocks, time.perf_counter() - start
+            progress.close()
+        self.last_run_stats = run_stats(
+            before, self.scheduler.stats, len(requests), self.num_blocks, progress.elapsed
         )
-        return [outputs[i] for i in ids]
+        return [outputs[r.request_id] for r in requests]
 
 
 def _attach_partial_outputs(exc: BaseException, outputs: list[RequestOutput]) -> None:
@@ -348,24 +321,3 @@ def _attach_partial_outputs(exc: BaseException, outputs: list[RequestOutput]) ->
         return
     if outputs and hasattr(exc, "add_note"):
         exc.add_note(f"generate: {len(outputs)} request(s) had finished: see .partial_outputs")
-
-
-def _copy_stats(s: SchedulerStats) -> SchedulerStats:
-    return replace(s)
-
-
-def _run_stats(
-    before: SchedulerStats, after: SchedulerStats, n: int, pool: int, elapsed: float
-) -> RunStats:
-    return RunStats(
-        num_requests=n,
-        prompt_tokens=after.prompt_tokens - before.prompt_tokens,
-        prefill_tokens=after.prefill_tokens - before.prefill_tokens,
-        decode_tokens=after.decode_tokens - before.decode_tokens,
-        cached_prompt_tokens=after.cached_prompt_tokens - before.cached_prompt_tokens,
-        preemptions=after.preemptions - before.preemptions,
-        peak_blocks_in_use=after.peak_blocks_in_use,
-        num_blocks=pool,
-        steps=after.steps - before.steps,
-        elapsed_s=elapsed,
-    )

@@ -59,16 +59,8 @@ from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Protocol
 
+from paged_engine.engine.outputs import FailedSample
 from paged_engine.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True, slots=True)
-class FailedSample:
-    """What a model runner returns, in place of a token, for a sequence it could not
-    sample (its logits were not finite): the request finishes with ``finish_reason
-    "error"`` and ``reason`` as its ``stop_reason``, and the rest of the batch goes on."""
-
-    reason: str
 
 
 class Allocator(Protocol):
@@ -92,6 +84,8 @@ class SchedulerStats:
     prefill_tokens: int = 0
     """Prompt (and recomputed) tokens computed by prefill steps."""
     decode_tokens: int = 0
+    output_tokens: int = 0
+    """Tokens sampled and appended (a prefill's first token and every decode token)."""
     cached_prompt_tokens: int = 0
     """Prompt tokens served from the prefix cache at each request's first admission."""
     prompt_tokens: int = 0
@@ -287,12 +281,15 @@ class Scheduler:
                 stats.prefill_tokens += n  # a chunk that did not finish the prompt
                 del in_flight[seq]  # commit
                 continue
-            if isinstance(token, FailedSample):
-                self.errors[seq.seq_id] = token.reason
-                stops = True
-            elif isinstance(token, int):
+            if type(token) is int:  # the common case, tested first
                 seq.append_token(token)
                 stops = self._stops(seq, token)
+            elif isinstance(token, FailedSample):
+                self.errors[seq.seq_id] = token.reason
+                stops = True
+            elif isinstance(token, int) and not isinstance(token, bool):  # an int subclass
+                seq.append_token(int(token))
+                stops = self._stops(seq, int(token))
             else:
                 raise RuntimeError(
                     f"the model runner returned {token!r} for {seq}, which samples in this step"
@@ -308,17 +305,19 @@ class Scheduler:
                 stats.prefill_tokens += n
             else:
                 stats.decode_tokens += 1
+            if not isinstance(token, FailedSample):
+                stats.output_tokens += 1
             del in_flight[seq]  # commit
         return finished
 
-    def recover(self) -> None:
+    def recover(self) -> list[Sequence]:
         """Preempt every sequence the current step touched and did not commit (see
         "Atomic steps"): drop a token appended without commit, release its blocks, and
-        put it at the front of waiting, in the order the step took them. Safe to call
-        when nothing is in flight."""
+        put it at the front of waiting, in the order the step took them. Returns them
+        (the step's other sequences committed). Safe to call when nothing is in flight."""
         stale = self._in_flight
         if not stale:
-            return
+            return []
         self.stats.failed_steps += 1
         # Wherever an interruption left them (a queue, no queue, finished), take them out.
         self.running = deque(s for s in self.running if s not in stale)
@@ -335,15 +334,17 @@ class Scheduler:
             seq.is_prefill = True
             seq.status = SequenceStatus.WAITING
             self.errors.pop(seq.seq_id, None)
-        self.waiting.extendleft(reversed(list(stale)))
+        undone = list(stale)
+        self.waiting.extendleft(reversed(undone))
         self._in_flight = {}
+        return undone
 
     def _stops(self, seq: Sequence, token: int) -> bool:
         params = seq.sampling_params
         return (
             (not params.ignore_eos and token in self.eos_token_ids)
             or token in params.stop_token_ids
-            or seq.num_completion_tokens >= params.max_tokens
+            or (params.max_tokens is not None and seq.num_completion_tokens >= params.max_tokens)
             or seq.num_tokens >= self.max_model_len
         )
 
@@ -357,6 +358,28 @@ class Scheduler:
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return "stop"
         return "length"
+
+    def stop_reason(self, seq: Sequence) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop token id that ended ``seq`` (None for EOS and
+        for length), or the error's description."""
+        if seq.seq_id in self.errors:
+            return self.errors[seq.seq_id]
+        params = seq.sampling_params
+        last = seq.last_token
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return None
+        return last if last in params.stop_token_ids else None
+
+    def finish_now(self, seq: Sequence) -> None:
+        """End a running sequence between steps (a stop string matched): release its
+        blocks; unlike ``abort`` it counts as finished (it is not put in ``finished``:
+        the caller reports it)."""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
 
     # ---- aborting -------------------------------------------------------------------------
 
