@@ -19,6 +19,9 @@ from bench.traces import Trace, TraceConfig, make_trace, trace_summary
 
 SHORT = 2
 """Waves of the benchmark trace replayed here: enough for revivals, sharing and preemption."""
+STEP_GUARD = 50_000
+"""A run "to the end" stops here at the latest, at least ten times the steps any run here
+needs (checked), so a loop that stops making progress fails a check instead of hanging."""
 
 
 def _run(
@@ -37,8 +40,10 @@ def _run(
         bm,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_steps=max_steps,
+        max_steps=STEP_GUARD if max_steps is None else max_steps,
     )
+    if max_steps is None:  # drained well within the guard (at most a tenth of it)
+        assert stats.steps * 10 <= STEP_GUARD, f"step guard: {kit.name} took {stats.steps} steps"
     return stats, bm, [req.seq for wave in waves for req in wave]
 
 

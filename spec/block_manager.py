@@ -22,8 +22,8 @@ class BlockManager:
 
     inv: sorted(self.free_queue + self.used_blocks()) == list(range(self.num_blocks))
     inv: all((self.ref_counts[b] == 0) == (b in self.free_queue) for b in range(self.num_blocks))
-    inv: all(self.block_hashes[b] == h for h, b in self.hash_to_block.items())
-    inv: all(self.block_hashes[b] is not None for b in range(self.num_blocks) if self.ref_counts[b] > 1)
+    inv: all(0 <= b < self.num_blocks and self.block_hashes[b] == h for h, b in self.hash_to_block.items())
+    inv: all(self.block_hashes[b] is not None and len(self.block_tokens[b]) == self.block_size for b in range(self.num_blocks) if self.ref_counts[b] > 1)
     """
 
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = xxh64_block_hash):
@@ -260,7 +260,7 @@ class BlockManager:
             ):
                 raise AssertionError(f"block {b} is shared but not full and hashed (R9)")
         for h, b in self.hash_to_block.items():
-            if self.block_hashes[b] != h:
+            if not 0 <= b < self.num_blocks or self.block_hashes[b] != h:
                 raise AssertionError(f"hash map entry {h} -> {b} disagrees with the block")
         if seqs is not None:
             holders = [0] * self.num_blocks

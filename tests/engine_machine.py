@@ -11,12 +11,16 @@ point: in the model (before any cache write, after some of them, after all of th
 the allocator while the step's results are applied, or while an output is detokenised.
 Both engines must raise the same, stay consistent (the invariants below) and go on to
 produce the same outputs as if the fault had not happened.
-``make_machine(scheduler_cls)`` lets the same machine hunt scheduler mutants.
+``make_machine(scheduler_cls, engine_cls)`` lets the same machine hunt scheduler and
+engine mutants. Every loop is bounded: an engine that stops making progress fails a
+check instead of hanging.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import event
@@ -34,11 +38,48 @@ from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.indexing import num_blocks
 from paged_engine.engine.llm_engine import LLMEngine, RequestOutput
 from paged_engine.engine.scheduler import Scheduler
+from paged_engine.engine.sequence import Sequence
 from paged_engine.sampling_params import SamplingParams
 from spec.block_manager import BlockManager as SpecBlockManager
 from tests.fake_model import FakeModelRunner, FakeTokenizer, Fault, reference_generate
 
 VOCAB = 5  # small, so generated continuations also repeat and share blocks
+DRAIN_STEPS = 5_000
+"""Teardown's bound on steps to drain: past it the engine has stopped making progress, and
+a check fails instead of the test hanging."""
+
+
+MAX_MODEL_CALLS = 20_000
+"""``CheckedRunner``'s default bound on steps per engine (the step guard); tests that know
+their step count pass a tighter one."""
+
+
+class CheckedRunner(FakeModelRunner):
+    """The fake model, checking the scheduler's batch before it computes anything: within
+    ``max_num_seqs`` and the token budget, every sequence computing at least one token,
+    none past its end, and every token to compute inside its block table (R7), whose ids
+    lie in the pool. It also bounds the steps (a step guard): an engine that stops making
+    progress fails here, with a message, instead of hanging the test."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int, max_calls: int) -> None:
+        assert config.num_kvcache_blocks is not None
+        super().__init__(config.num_kvcache_blocks, config.kvcache_block_size, vocab_size)
+        self.config = config
+        self.max_calls = max_calls
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        cfg = self.config
+        assert self.calls < self.max_calls, (
+            f"step guard: the model ran {self.calls} steps and the engine has not drained"
+        )
+        assert 1 <= len(seqs) <= cfg.max_num_seqs, f"a batch of {len(seqs)}"
+        assert sum(s.num_scheduled_tokens for s in seqs) <= cfg.max_num_batched_tokens
+        for seq in seqs:
+            end = seq.num_cached_tokens + seq.num_scheduled_tokens
+            assert seq.num_scheduled_tokens >= 1 and end <= seq.num_tokens, f"scheduled {seq}"
+            assert len(seq.block_table) >= num_blocks(end, self.block_size), f"no slot: {seq}"
+            assert all(0 <= b < (cfg.num_kvcache_blocks or 0) for b in seq.block_table)
+        return super().run(seqs, is_prefill)
 
 
 def build_engine(
@@ -48,7 +89,10 @@ def build_engine(
     eos: int = 0,
     tokenizer: FakeTokenizer | None = None,
     engine_cls: type[LLMEngine] = LLMEngine,
+    max_steps: int = MAX_MODEL_CALLS,
 ) -> LLMEngine:
+    """An engine on the fake model (checked, with a step guard: ``CheckedRunner``), over
+    the engine's allocator or the spec's (``spec``)."""
     pool = config.num_kvcache_blocks
     assert pool is not None
     bm: Any = (
@@ -58,7 +102,7 @@ def build_engine(
             pool, config.kvcache_block_size, enable_prefix_caching=config.enable_prefix_caching
         )
     )
-    runner = FakeModelRunner(pool, config.kvcache_block_size, VOCAB)
+    runner = CheckedRunner(config, VOCAB, max_steps)
     return engine_cls(
         runner,
         config,
@@ -103,7 +147,9 @@ def table_blocks_expected(seq: Any) -> int:
     return num_blocks(seq.num_tokens - (0 if seq.is_prefill else 1), seq.block_size)
 
 
-def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedStateMachine]:
+def make_machine(
+    scheduler_cls: type[Scheduler] = Scheduler, engine_cls: type[LLMEngine] = LLMEngine
+) -> type[RuleBasedStateMachine]:
     class EngineMachine(RuleBasedStateMachine):
         @initialize(
             block_size=st.sampled_from([1, 2, 3, 4, 8, 16]),
@@ -132,7 +178,7 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                 num_kvcache_blocks=pool,
             )
             self.engines = [
-                build_engine(self.config, spec, scheduler_cls, eos, FakeTokenizer())
+                build_engine(self.config, spec, scheduler_cls, eos, FakeTokenizer(), engine_cls)
                 for spec in (False, True)
             ]
             self.eos = eos
@@ -161,9 +207,11 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             prompt += data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=limit), label="tail")
             prompt = prompt[:limit] or [1]
             self.prompts.append(prompt)
+            room = self.config.max_model_len - len(prompt)
             params = SamplingParams(
                 temperature=0,
-                max_tokens=data.draw(st.integers(1, self.config.max_model_len - len(prompt))),
+                # None: up to max_model_len (S9), where its stop is the only one.
+                max_tokens=data.draw(st.one_of(st.none(), st.integers(1, room))),
                 ignore_eos=data.draw(st.booleans(), label="ignore_eos"),
                 stop_token_ids=tuple(data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=1))),
             )
@@ -176,7 +224,7 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             self.streamed[rid] = 0
             self.expected[rid] = reference_generate(
                 prompt,
-                params,
+                replace(params, max_tokens=params.max_tokens or room),  # the oracle needs one
                 vocab_size=VOCAB,
                 eos_token_id=self.eos,
                 max_model_len=self.config.max_model_len,
@@ -228,7 +276,11 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                     raised.append(None)
                 except (RuntimeError, KeyboardInterrupt) as exc:
                     if not faults or faults[i].fired == fired:
-                        raise  # not the injected fault
+                        # Not the injected fault. A step that raises must still leave
+                        # the engine consistent (atomic steps): check that first, so a
+                        # broken state is reported as the check it breaks.
+                        self.consistent()
+                        raise
                     outs.append([])
                     raised.append(exc)
             assert [type(r) for r in raised] == [type(raised[0])] * 2, "only one engine failed"
@@ -319,17 +371,17 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                     assert bm.block_hashes[b] is not None, f"block {b} of {seq} not registered"  # type: ignore[attr-defined]
 
         def teardown(self) -> None:
-            if not hasattr(self, "engines"):
+            # Hypothesis runs teardown in a ``finally``: after a failed rule, draining
+            # would replace that rule's error (a crash, say) with one of its own.
+            if not hasattr(self, "engines") or sys.exc_info()[1] is not None:
                 return
-            # Teardown runs after a failed check too: re-check first, so that the check's
-            # AssertionError is what surfaces, not an error from draining a broken engine.
-            self.consistent()
-            guard = 0
-            while self.engine.has_unfinished_requests():
+            for _ in range(DRAIN_STEPS):
+                if not self.engine.has_unfinished_requests():
+                    break
                 self._step_both()
                 self.consistent()
-                guard += 1
-                assert guard < 20_000, "engine did not drain"
+            else:
+                raise AssertionError(f"the engines did not drain in {DRAIN_STEPS} steps")
             for engine in self.engines:
                 state = engine.block_manager.snapshot()  # type: ignore[attr-defined]
                 assert sorted(state.free_queue) == list(range(self.config.num_kvcache_blocks or 0))

@@ -3,6 +3,7 @@ before any state changes (the engine keeps serving everything else)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from paged_engine.config import EngineConfig
 from paged_engine.engine.indexing import num_blocks
 from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.engine.scheduler import Scheduler
+from paged_engine.engine.stats import RunStats
 from paged_engine.sampling_params import SamplingParams
 from tests.engine_machine import VOCAB, add, build_engine
 from tests.fake_model import reference_generate
@@ -17,16 +20,17 @@ from tests.fake_model import reference_generate
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
+CONFIG: dict[str, Any] = dict(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    max_model_len=32,
+    kvcache_block_size=4,
+    num_kvcache_blocks=16,
+)
+
+
 def make_engine(**overrides: Any) -> LLMEngine:
-    cfg = dict(
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        max_model_len=32,
-        kvcache_block_size=4,
-        num_kvcache_blocks=16,
-    )
-    cfg.update(overrides)
-    return build_engine(EngineConfig(**cfg), spec=False)
+    return build_engine(EngineConfig(**{**CONFIG, **overrides}), spec=False)
 
 
 def expected(prompt: list[int], params: SamplingParams, engine: LLMEngine) -> list[int]:
@@ -90,23 +94,69 @@ def test_stop_reasons() -> None:
     )
 
 
-def test_abort_frees_blocks_at_once_and_others_finish() -> None:
-    engine = make_engine()
+def check_abort_forgets_the_request(engine_cls: type[LLMEngine] = LLMEngine) -> None:
+    """Abort frees the request's blocks at once and forgets it (a second abort finds
+    nothing, it no longer counts as unfinished); the others finish as if it never was."""
+    engine = build_engine(EngineConfig(**CONFIG), spec=False, engine_cls=engine_cls)
     a = add(engine, [1, 2, 3, 4, 0, 1], GREEDY)
     b = add(engine, [2, 2, 2], GREEDY)
     engine.step()  # both admitted and prefilled
     free_before = engine.block_manager.num_free_blocks
     assert engine.abort_request(a)
     assert engine.block_manager.num_free_blocks == free_before + 2
-    assert not engine.abort_request(a)  # already gone
+    assert engine.get_num_unfinished_requests() == 1
     outs = []
-    while engine.has_unfinished_requests():
+    for _ in range(20):  # a step guard: b needs 6 steps
+        if not engine.has_unfinished_requests():
+            break
         outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == [b]
     assert list(outs[0].outputs[0].token_ids) == expected([2, 2, 2], GREEDY, engine)
+    assert not engine.abort_request(a), "aborted twice"
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+    engine.generate([[1, 2]], GREEDY, use_tqdm=False)  # idle: generate may run
 
 
-def test_liveness_with_the_smallest_legal_pool() -> None:
+def test_abort_frees_blocks_at_once_and_others_finish() -> None:
+    check_abort_forgets_the_request()
+
+
+def check_run_stats_are_per_call() -> None:
+    """``last_run_stats`` counts one ``generate`` call: a second run of the same prompts
+    is served from the prefix cache, and its prefill counts only what it computed.
+    Hand-counted (block size 4, no preemption, budget for both prompts in one step):
+    prompt tokens 5 + 9; each prompt's prefill samples one token and 5 decode steps the
+    other 5; at the last decode step the tables hold 3 + 4 blocks. The rerun hits 4 of
+    the first prompt and 8 of the second (block 2, the last, is never looked up)."""
+    engine = make_engine()
+    prompts = [[1, 2, 3, 4, 1], [3] * 9]
+    per_run = dict(
+        num_requests=2, prompt_tokens=14, decode_tokens=10, preemptions=0,
+        peak_blocks_in_use=7, num_blocks=16, steps=6, elapsed_s=0.0, output_tokens=12,
+    )  # fmt: skip
+    for cached, prefilled in ((0, 14), (12, 2)):
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+        stats = engine.last_run_stats
+        assert stats is not None
+        want = RunStats(**per_run, cached_prompt_tokens=cached, prefill_tokens=prefilled)  # type: ignore[arg-type]
+        assert replace(stats, elapsed_s=0.0) == want
+
+
+def test_run_stats_are_per_call() -> None:
+    check_run_stats_are_per_call()
+
+
+def test_max_tokens_none_runs_to_max_model_len() -> None:
+    """max_tokens=None: the request stops exactly at max_model_len, with "length"."""
+    engine = make_engine(max_model_len=12)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    out = engine.generate([[1, 2, 3]], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 9 and out.outputs[0].finish_reason == "length"
+    full = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    assert list(out.outputs[0].token_ids) == expected([1, 2, 3], full, engine)
+
+
+def check_liveness_with_the_smallest_legal_pool(scheduler_cls: type[Scheduler] = Scheduler) -> None:
     """A pool holding exactly one max_model_len sequence: every request finishes."""
     cfg = EngineConfig(
         max_num_batched_tokens=8,
@@ -115,7 +165,9 @@ def test_liveness_with_the_smallest_legal_pool() -> None:
         kvcache_block_size=4,
         num_kvcache_blocks=num_blocks(24, 4),
     )
-    engine = build_engine(cfg, spec=False)
+    # The step guard: a scheduler that stops making progress fails at 2,000 steps (a
+    # check with a message) instead of hanging the suite; ten times what this run needs.
+    engine = build_engine(cfg, spec=False, scheduler_cls=scheduler_cls, max_steps=2_000)
     prompts = [[i % VOCAB, 1, 2, 3, i % 3, 4, 0, 1, 2, 3] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     outs = engine.generate(prompts, params, use_tqdm=False)
@@ -123,7 +175,12 @@ def test_liveness_with_the_smallest_legal_pool() -> None:
         assert list(out.outputs[0].token_ids) == expected(prompt, params, engine)
     stats = engine.last_run_stats
     assert stats is not None and stats.preemptions > 0
+    assert stats.steps * 10 <= 2_000
     assert engine.block_manager.num_free_blocks == cfg.num_kvcache_blocks
+
+
+def test_liveness_with_the_smallest_legal_pool() -> None:
+    check_liveness_with_the_smallest_legal_pool()
 
 
 BAD_REQUESTS = [
@@ -235,3 +292,21 @@ def test_without_prefix_caching_nothing_is_deferred() -> None:
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     batches = engine.model_runner.batches  # type: ignore[attr-defined]
     assert len(batches[0][1]) == 2
+
+
+def test_requests_that_cannot_hit_each_other_are_not_deferred() -> None:
+    """Issue 11's reproduction: block (3, 3, 3, 3) cached; A and B arrive together, with
+    different first blocks and equal second blocks. B hits (3, 3, 3, 3) and can never hit
+    A's second block (another chain), so both run in the first step (deferring B by
+    position and tokens cost it a step: tests/test_scheduler_machine.py shows both)."""
+    engine = make_engine()
+    engine.generate([[3, 3, 3, 3, 1]], GREEDY, use_tqdm=False)
+    runner: Any = engine.model_runner
+    first = len(runner.batches)
+    prompts = [[1, 1, 1, 1, 2, 2, 2, 2, 0], [3, 3, 3, 3, 2, 2, 2, 2, 4]]
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert [n for _, n in runner.batches[first][1]] == [9, 5]
+    assert [o.num_cached_tokens for o in outs] == [0, 4]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        expected(p, GREEDY, engine) for p in prompts
+    ]

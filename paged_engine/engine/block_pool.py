@@ -128,13 +128,16 @@ class BlockPool(BlockHasher):
                 raise AssertionError(f"block {b} is shared but not full and hashed (R9)")
         if any(not 0 <= b < self.num_blocks for b in free):
             raise AssertionError("free queue holds an id outside the pool")
+        n = self.num_blocks
         for h, b in self.hash_to_block.items():
-            if self.block_hashes[b] != h:
+            if not 0 <= b < n or self.block_hashes[b] != h:
                 raise AssertionError(f"hash map entry {h} -> {b} disagrees with the block")
         if seqs is not None:
-            holders = [0] * self.num_blocks
+            holders = [0] * n
             for seq in seqs:
                 for b in seq.block_table:
+                    if not 0 <= b < n:
+                        raise AssertionError(f"{seq} holds block {b}, outside the pool")
                     holders[b] += 1
             if holders != self.ref_counts:
                 raise AssertionError(f"ref counts {self.ref_counts} != table holders {holders}")

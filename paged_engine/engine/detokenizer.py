@@ -56,6 +56,8 @@ class IncrementalDetokenizer:
         start = len(self.text)
         skip = self.skip_special_tokens
         for t in token_ids:
+            if self.num_tokens == 0 and self._ids:
+                self._drop_incomplete_context(tokenizer)
             ids = [*self._ids, t]
             before = tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=skip)
             after = tokenizer.decode(ids[self._prefix :], skip_special_tokens=skip)
@@ -74,6 +76,32 @@ class IncrementalDetokenizer:
                 self._prefix -= drop
                 self._read -= drop
         return self.text[start:]
+
+    def _drop_incomplete_context(self, tokenizer: Detokenizer) -> None:
+        """A prompt that ends inside a character (its last tokens a UTF-8 lead byte)
+        would let the completion's first bytes finish a character that one decode of the
+        completion alone never shows; such a context is dropped, so the streamed text stays
+        exactly the text ``generate`` returns."""
+        context = tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
+        if context.endswith("\ufffd"):
+            self._ids = []
+            self._prefix = self._read = 0
+
+    def flush(self, tokenizer: Detokenizer) -> str:
+        """Emit what an incomplete character held back (the completion has ended, so no
+        token will complete it): the text is then exactly what one ``decode`` of the
+        whole completion gives, U+FFFD included."""
+        if self._read == len(self._ids):
+            return ""
+        skip = self.skip_special_tokens
+        before = tokenizer.decode(self._ids[self._prefix : self._read], skip_special_tokens=skip)
+        after = tokenizer.decode(self._ids[self._prefix :], skip_special_tokens=skip)
+        if not after.startswith(before):
+            before = before[: _common_prefix(before, after)]
+        delta = after[len(before) :]
+        self.text += delta
+        self._prefix, self._read = self._read, len(self._ids)
+        return delta
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -129,6 +129,8 @@ class OutputProcessor:
                 c.text = c.detok.text
                 return
             new = c.detok.add(tok, seq.completion_token_ids[c.detok.num_tokens :])
+            if c.finish_reason is not None:  # ended by its tokens: nothing will follow
+                new += c.detok.flush(tok)
             c.text = c.detok.text
             stop_terminated = c.finish_reason == "stop"  # by EOS or a stop token
             if (

@@ -175,7 +175,7 @@ class Request:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=self.prompt_token_ids,  # shared, never changed: no copy
             prompt_logprobs=(
                 list(self.decoded_prompt_logprobs) if params.prompt_logprobs is not None else None
             ),

@@ -15,10 +15,15 @@ nano-vllm's policy (seed §3.5) is the baseline, with one structural change:
 
 Prefix-aware admission (also not in nano-vllm): requests admitted in the same step cannot
 hit each other's blocks, which are registered only after the step. So a request whose next
-uncached block is completed in this step by an earlier request (same position, same
-tokens) is deferred to the next step, where it is a prefix hit, and later requests are
-admitted in its place; it keeps its place at the front of the queue. A whole batch sharing
-a system prompt computes it once instead of once per request.
+uncached block is completed in this step by an earlier request is deferred to the next
+step, where it is a prefix hit, and later requests are admitted in its place; it keeps its
+place at the front of the queue. A whole batch sharing a system prompt computes it once
+instead of once per request. "The same block" is the allocator's own hit test (R5, R10):
+the same chained hash (R4, cache salt included: R4s) and the same tokens. Position and
+tokens alone are not enough: requests whose first blocks differ and whose second blocks
+agree would defer one another for nothing, since neither can ever hit the other's block.
+The chain costs nothing extra with the engine's allocator: it is the one ``can_allocate``
+and ``hash_blocks`` compute anyway, cached on the sequence.
 
 Policy difference from nano-vllm: a partly prefilled sequence sits in **running** (it owns
 blocks), not at the head of waiting. It can therefore be preempted like any other owner
@@ -54,13 +59,21 @@ dictionary look-ups, not hashing. A fault costs the recomputation of the step's 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Protocol
 
+from paged_engine.engine.hashing import BlockHasher, salt_block
 from paged_engine.engine.outputs import FailedSample
 from paged_engine.engine.sequence import Sequence, SequenceStatus
+
+BlockKey = tuple[int, object]
+"""A full block as the prefix cache tells blocks apart: its chained hash and its tokens."""
+Chain = tuple[
+    Callable[[Sequence, int], Sequence_[int]], Callable[[Sequence, int], Sequence_[object]]
+]
+"""The chained hashes, and the tokens, of a sequence's first ``n`` (full) blocks."""
 
 
 class Allocator(Protocol):
@@ -75,6 +88,37 @@ class Allocator(Protocol):
     def may_append(self, seq: Sequence) -> None: ...
     def hash_blocks(self, seq: Sequence) -> None: ...
     def deallocate(self, seq: Sequence) -> None: ...
+
+
+def allocator_chain(block_manager: Allocator) -> Chain:
+    """The allocator's own hash chain (R4, R4s) and block tokens, which key the deferral.
+
+    The engine's allocator caches both on the sequence (``block_hashes``, ``block_bytes``):
+    ``can_allocate`` computed them for every block but the last, and ``hash_blocks`` needs
+    the rest after the step, so the deferral adds no hashing. Another allocator (the spec,
+    in tests) exposes its block hash as ``hash_fn``; its chain is recomputed from block 0.
+    """
+    if isinstance(block_manager, BlockHasher):
+        return block_manager._block_hashes, block_manager._packed_blocks
+    hash_fn: Callable[[tuple[int, ...], int | None], int] | None = getattr(
+        block_manager, "hash_fn", None
+    )
+    if hash_fn is None:
+        raise TypeError(
+            f"prefix-aware admission needs the allocator's hash chain: "
+            f"{type(block_manager).__name__} has no hash_fn (pass prefix_aware=False)"
+        )
+
+    def hashes(seq: Sequence, n: int) -> list[int]:
+        salt = seq.cache_salt
+        h = None if salt is None else hash_fn(tuple(salt_block(salt)), None)
+        chain = []
+        for i in range(n):
+            h = hash_fn(seq.block(i), h)
+            chain.append(h)
+        return chain
+
+    return hashes, lambda seq, n: [seq.block(i) for i in range(n)]
 
 
 @dataclass(slots=True)
@@ -115,6 +159,7 @@ class Scheduler:
         the same step (see the module docstring); pass False without prefix caching."""
         self.block_manager = block_manager
         self.prefix_aware = prefix_aware
+        self._chain = allocator_chain(block_manager) if prefix_aware else None
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -169,7 +214,7 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
-        filling: set[tuple[int, tuple[int, ...]]] = set()  # blocks this step completes
+        filling: set[BlockKey] = set()  # blocks this step completes
         in_flight = self._in_flight
         for seq in self.running:  # continue chunked prefills first
             if len(scheduled) == self.max_num_seqs or budget == 0:
@@ -178,18 +223,20 @@ class Scheduler:
                 in_flight[seq] = seq.num_tokens
                 budget -= self._schedule_chunk(seq, budget, filling)
                 scheduled.append(seq)
-        bm, waiting = self.block_manager, self.waiting
+        bm, waiting, chain = self.block_manager, self.waiting, self._chain
         skipped = 0  # deferred requests stay at the head of waiting, in arrival order
         while skipped < len(waiting) and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = waiting[skipped]
             hits = bm.can_allocate(seq)
             if hits is None:
                 break
-            if filling and hits < seq.num_blocks - 1 and (hits, seq.block(hits)) in filling:
-                # Its next block is being computed in this step by an earlier request:
-                # next step it is a prefix hit instead of a second computation.
-                skipped += 1
-                continue
+            if filling and hits < seq.num_blocks - 1 and chain is not None:
+                hashes, tokens = chain[0](seq, hits + 1), chain[1](seq, hits + 1)
+                if (hashes[hits], tokens[hits]) in filling:
+                    # Its next block is being computed in this step by an earlier request:
+                    # next step it is a prefix hit instead of a second computation.
+                    skipped += 1
+                    continue
             in_flight[seq] = seq.num_tokens
             bm.allocate(seq, hits)
             del waiting[skipped]
@@ -204,18 +251,18 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
-    def _schedule_chunk(
-        self, seq: Sequence, budget: int, filling: set[tuple[int, tuple[int, ...]]]
-    ) -> int:
+    def _schedule_chunk(self, seq: Sequence, budget: int, filling: set[BlockKey]) -> int:
         """Schedule the next chunk of ``seq``'s prompt within ``budget``; note the blocks
-        it completes (by position and tokens) when prefix caching can reuse them."""
-        n = min(seq.num_tokens - seq.num_cached_tokens, budget)
+        it completes (their ``BlockKey``) when prefix caching can reuse them."""
+        cached = seq.num_cached_tokens
+        n = min(seq.num_tokens - cached, budget)
         seq.num_scheduled_tokens = n
-        if self.prefix_aware:
+        if self._chain is not None:
             bs = seq.block_size
-            first = seq.num_cached_tokens // bs
-            for j in range(first, (seq.num_cached_tokens + n) // bs):
-                filling.add((j, seq.block(j)))
+            first, end = cached // bs, (cached + n) // bs
+            if first < end:
+                hashes, tokens = self._chain[0](seq, end), self._chain[1](seq, end)
+                filling.update(zip(hashes[first:end], tokens[first:end], strict=True))
         return n
 
     def _schedule_decode(self) -> list[Sequence]:
