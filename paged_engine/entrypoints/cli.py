@@ -1,0 +1,186 @@
+"""Command line: ``python -m paged_engine {make-tiny-model,generate,demo,serve}`` (also the
+``paged-engine`` script)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from paged_engine.config import EngineConfig
+from paged_engine.entrypoints.cli_args import (
+    HelpFormatter,
+    add_engine_args,
+    engine_fields,
+    flag_message,
+    positive,
+)
+from paged_engine.entrypoints.serve_cli import add_serve_parser, check_serve_args
+from paged_engine.sampling_params import SamplingParams
+
+DEMO_SYSTEM_PROMPTS = [
+    "You are a careful assistant. Answer briefly and cite the rule you apply. " * 6,
+    "The following is a conversation about paged attention and prefix caching. " * 6,
+    "Translate each sentence into plain words a new engineer would understand. " * 6,
+    "Summarise the question, then list three facts that bear on the answer. " * 6,
+]
+DEMO_QUESTIONS = [
+    "Why is the KV cache split into blocks?",
+    "What does the reference count of a block mean?",
+    "When is a freed block overwritten?",
+    "Why is the last block never looked up?",
+    "What happens when no block is free during decode?",
+    "How does the hash chain tell two contexts apart?",
+    "What is chunked prefill for?",
+    "Which tokens does a prefix-cache hit skip?",
+]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("PAGED_ENGINE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paged_engine"
+    )
+    return Path(root)
+
+
+def _sampling(a: argparse.Namespace) -> SamplingParams:
+    if a.command == "demo":
+        return SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    return SamplingParams(
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        max_tokens=a.max_tokens,
+        ignore_eos=a.ignore_eos,
+        seed=a.seed,
+    )
+
+
+def cmd_make_tiny_model(a: argparse.Namespace) -> int:
+    from paged_engine.utils.tiny_model import make_tiny_model
+
+    path = make_tiny_model(
+        a.dir, seed=a.seed, num_layers=a.layers, hidden_size=a.hidden_size, num_shards=a.shards
+    )
+    print(f"wrote a tiny random Qwen3 (and its tokenizer) to {path}")
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace, fields: dict[str, Any], params: SamplingParams) -> int:
+    from paged_engine import LLM
+
+    llm = LLM(a.model, **fields)
+    prompts: list[Any] = list(a.prompt)
+    for out in llm.generate(prompts, params, use_tqdm=not a.quiet):
+        c = out.outputs[0]
+        print(c.text if llm.tokenizer is not None else " ".join(map(str, c.token_ids)))
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace, fields: dict[str, Any], params: SamplingParams) -> int:
+    from paged_engine import LLM
+    from paged_engine.utils.tiny_model import make_tiny_model
+
+    model_dir = Path(a.cache_dir) / "tiny-qwen3"
+    if not (model_dir / "config.json").is_file():
+        print(f"building the tiny demo model once, into {model_dir}")
+        make_tiny_model(
+            model_dir, num_layers=4, hidden_size=128, head_dim=32, intermediate_size=384
+        )
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, **fields)
+    print(f"loaded {model_dir} in {time.perf_counter() - t0:.1f}s")
+    prompts = [s + " " + q for s in DEMO_SYSTEM_PROMPTS for q in DEMO_QUESTIONS][: a.requests]
+    outs = llm.generate(prompts, params)
+    stats = llm.last_run_stats
+    assert stats is not None
+    print(f"\nfirst answer: {outs[0].outputs[0].text!r}")
+    print(f"requests:              {stats.num_requests}")
+    print(f"output tokens/s:       {stats.output_tokens_per_s:,.0f}")
+    print(f"prefix-cache hit rate: {stats.prefix_cache_hit_rate:.1%} of prompt tokens")
+    print(f"preemptions:           {stats.preemptions}")
+    print(
+        f"KV pool use:           peak {stats.peak_blocks_in_use} of {stats.num_blocks} blocks "
+        f"({stats.peak_blocks_in_use / stats.num_blocks:.0%})"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_engine", description=__doc__, formatter_class=HelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "make-tiny-model",
+        help="write a tiny random Qwen3 in Hugging Face format",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("dir", help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--layers", type=positive, default=2, help="decoder layers")
+    p.add_argument("--hidden-size", type=positive, default=64, help="hidden size")
+    p.add_argument("--shards", type=positive, default=1, help="safetensors files")
+    p.set_defaults(fn=cmd_make_tiny_model, parser=p)
+
+    p = sub.add_parser(
+        "generate", help="generate from a model directory", formatter_class=HelpFormatter
+    )
+    p.add_argument("--model", required=True, help="Hugging Face-format Qwen3 directory")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    g = p.add_argument_group("sampling (SamplingParams; seeded by --seed)")
+    g.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens at most")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy")
+    g.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens"
+    )
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass")
+    g.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_args(p)
+    p.set_defaults(fn=cmd_generate, parser=p)
+
+    p = sub.add_parser(
+        "demo",
+        help="build the tiny model once and serve a shared-prefix batch",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--cache-dir", default=str(default_cache_dir()), help="where the model goes")
+    p.add_argument("--requests", type=positive, default=32, help="requests (at most 32)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens each")
+    add_engine_args(p)
+    # The tiny model's matrices are too small to share between threads (see num_threads).
+    # A pool of 160 blocks is tight for 32 requests, so preemption shows up in the figures.
+    p.set_defaults(fn=cmd_demo, parser=p, num_kv_blocks=160, max_model_len=1024, threads=1)
+
+    add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a command. Bad flags, including engine and sampling settings (checked by
+    building ``EngineConfig`` and ``SamplingParams`` before any model loads), exit through
+    argparse (``SystemExit(2)``, the message naming the flag); an error found later, by
+    the model or a request, is printed and returns 2."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.command == "make-tiny-model":
+        return int(args.fn(args))
+    try:
+        fields = engine_fields(args)
+        EngineConfig(**fields)
+        params = _sampling(args) if args.command in ("generate", "demo") else None
+        if args.command == "serve":
+            check_serve_args(args)
+    except (ValueError, TypeError) as e:
+        args.parser.error(flag_message(str(e)))
+    try:
+        return int(args.fn(args, fields, params))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"error: {flag_message(str(e))}", file=sys.stderr)
+        return 2

@@ -1,0 +1,70 @@
+"""What the engine loop and its users exchange: the events a request's queue receives, the
+errors ``submit`` raises, the snapshot ``/metrics`` reads, and the observer the loop
+reports to. No dependency beyond the engine's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from paged_engine.engine.request import RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """The end of a request that will not complete: ``status`` 500 (the engine failed) or
+    503 (the server is shutting down); it has been aborted in the engine."""
+
+    request_id: str
+    message: str
+    status: int
+
+
+Event = RequestOutput | RequestFailed
+
+
+class EngineUnavailable(RuntimeError):
+    """``submit`` refused: the loop is draining for shutdown or has stopped (503)."""
+
+
+class PromptError(ValueError):
+    """A prompt callable (a chat template) raised; the message says why (a 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's counters, published by the loop after every iteration; ``running``
+    and ``waiting`` count sequences (each of a request's ``n`` completions), as vLLM's
+    engine counts its child requests."""
+
+    running: int
+    waiting: int
+    blocks_in_use: int
+    num_blocks: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+    preemptions: int
+    steps: int
+    failed_steps: int
+
+
+class Observer(Protocol):
+    """What the loop reports as it goes (the metrics); called on the engine thread."""
+
+    def added(self, request_ids: list[str], arrival_time: float, streamed: bool) -> None: ...
+    def output(self, out: RequestOutput) -> None: ...
+    def ended(self, request_id: str, how: str) -> None: ...
+
+
+class NoObserver:
+    """Reports to nobody."""
+
+    def added(self, request_ids: list[str], arrival_time: float, streamed: bool) -> None:
+        return None
+
+    def output(self, out: RequestOutput) -> None:
+        return None
+
+    def ended(self, request_id: str, how: str) -> None:
+        return None

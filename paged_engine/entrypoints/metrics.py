@@ -1,0 +1,151 @@
+"""``/metrics``: the engine's state and the server's latencies in Prometheus' text format.
+
+Each server has its own ``CollectorRegistry`` (not prometheus_client's global one), so two
+servers in one process (tests) never mix their series. The engine's counters are not
+copied into prometheus objects as they change: a collector reads the loop's latest
+``EngineSnapshot`` at scrape time, so the engine thread pays nothing per scrape and the
+HTTP side never touches the engine. Latencies are histograms observed on the engine
+thread as outputs leave it:
+
+* time to first token: from the HTTP request's arrival (passed to the engine as the
+  request's ``arrival_time``) to the step that sampled its first token;
+* inter-token latency: for a streamed request, the time between consecutive steps that
+  gave it a token; for a non-streamed one (outputs only at the end) the mean gap,
+  ``(last_token_time - first_token_time) / (tokens - 1)``, observed ``tokens - 1`` times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from paged_engine.engine.request import RequestOutput
+from paged_engine.entrypoints.engine_loop import EngineLoop
+
+PREFIX = "paged_engine_"
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Timing:
+    streamed: bool
+    last_token_time: float | None = None
+
+
+class ServerMetrics:
+    """The server's metrics (see the module docstring); implements the loop's ``Observer``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "From a request's arrival to its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Between consecutive tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Engine requests (prompts) by how they ended: finished, aborted, failed",
+            ["outcome"],
+            registry=r,
+        )
+        self.added_total = Counter(
+            PREFIX + "requests_added", "Prompts added to the engine", registry=r
+        )
+        self.rejected = Counter(
+            PREFIX + "requests_rejected",
+            "HTTP requests refused before reaching the engine, by status",
+            ["status"],
+            registry=r,
+        )
+        self._timings: dict[str, _Timing] = {}
+        self._loop: EngineLoop | None = None
+
+    def bind(self, loop: EngineLoop) -> None:
+        """Export ``loop``'s engine snapshot too."""
+        self._loop = loop
+        self.registry.register(_SnapshotCollector(loop))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- the loop's Observer (engine thread) ---------------------------------------------
+
+    def added(self, request_ids: list[str], arrival_time: float, streamed: bool) -> None:
+        self.added_total.inc(len(request_ids))
+        for r in request_ids:
+            self._timings[r] = _Timing(streamed)
+
+    def output(self, out: RequestOutput) -> None:
+        timing = self._timings.get(out.request_id)
+        m = out.metrics
+        if timing is None or m.first_token_time is None or m.last_token_time is None:
+            return
+        if timing.last_token_time is None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            timing.last_token_time = m.first_token_time
+        if timing.streamed:
+            if m.last_token_time > timing.last_token_time:
+                self.itl.observe(m.last_token_time - timing.last_token_time)
+                timing.last_token_time = m.last_token_time
+        elif out.finished:
+            tokens = max(len(c.token_ids) for c in out.outputs)
+            if tokens > 1:
+                gap = (m.last_token_time - m.first_token_time) / (tokens - 1)
+                for _ in range(tokens - 1):
+                    self.itl.observe(gap)
+
+    def ended(self, request_id: str, how: str) -> None:
+        self._timings.pop(request_id, None)
+        self.requests.labels(how).inc()
+
+
+class _SnapshotCollector:
+    """The engine's gauges and counters, from the loop's latest snapshot."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self._loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._loop.snapshot
+        if s is None:
+            return
+        gauges = {
+            "num_requests_running": ("Sequences running (each of n completions counts)", s.running),
+            "num_requests_waiting": ("Sequences waiting (each of n completions counts)", s.waiting),
+            "kv_blocks_in_use": ("KV cache blocks held by requests", s.blocks_in_use),
+            "kv_blocks_total": ("KV cache blocks in the pool", s.num_blocks),
+            "kv_cache_usage_ratio": ("Share of the KV pool in use", s.blocks_in_use / s.num_blocks),
+            "prefix_cache_hit_rate": (
+                "Prompt tokens served from the prefix cache over all prompt tokens",
+                s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {
+            "prompt_tokens": ("Prompt tokens admitted", s.prompt_tokens),
+            "prefix_cache_hit_tokens": (
+                "Prompt tokens the prefix cache served",
+                s.cached_prompt_tokens,
+            ),
+            "generation_tokens": ("Tokens generated", s.output_tokens),
+            "num_preemptions": ("Sequences preempted (recomputed later)", s.preemptions),
+            "engine_steps": ("Engine steps", s.steps),
+            "engine_failed_steps": ("Engine steps that raised and were recovered", s.failed_steps),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)

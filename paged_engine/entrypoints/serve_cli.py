@@ -1,0 +1,115 @@
+"""``paged-engine serve MODEL_DIR``: the flags of the OpenAI-compatible server, checked (with
+the engine's) before the model loads, and the command itself.
+
+The server's dependencies (the ``server`` extra) are imported only by ``cmd_serve``: the
+other commands, and ``--help``, work without them, and a missing one is named before any
+model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from paged_engine.entrypoints.cli_args import HelpFormatter, add_engine_args, positive
+from paged_engine.entrypoints.settings import API_KEY_ENV, ServerSettings
+
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+"""What ``pip install 'paged_engine[server]'`` brings (pydantic comes with fastapi)."""
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model directory over an OpenAI-compatible HTTP API",
+        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics) on one engine, in the style of `vllm serve`.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("model", help="Hugging Face-format Qwen3 directory")
+    g = p.add_argument_group("server")
+    add = g.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    add("--port", type=int, default=8000, help="TCP port; 0 picks a free one (logged)")
+    add(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on every route but /health",
+    )
+    add("--served-model-name", default=None, metavar="NAME", help="the model id clients send")
+    add(
+        "--chat-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="a Jinja chat template, or a file holding one, for models without one",
+    )
+    add(
+        "--max-queue",
+        type=positive,
+        default=1024,
+        metavar="N",
+        help="prompts held at once (queued or running); one more is answered 503",
+    )
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish before being aborted",
+    )
+    add("--log-level", default="info", choices=list(LOG_LEVELS), help="uvicorn's log level")
+    add_engine_args(p)
+    p.set_defaults(fn=cmd_serve, parser=p)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """The template text: a file's contents when ``value`` names a file, else ``value``
+    itself when it looks like a template; a path that does not exist is refused."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def check_serve_args(a: argparse.Namespace) -> None:
+    """Resolve and check the server flags into ``a.settings`` (ValueError naming the flag);
+    also that the server's dependencies are installed."""
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"serve needs the server extra: pip install 'paged_engine[server]' "
+            f"({', '.join(missing)} not installed)"
+        )
+    key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        a.settings = ServerSettings(
+            served_model_name=a.served_model_name or str(a.model),
+            host=a.host,
+            port=a.port,
+            api_key=key,
+            chat_template=_chat_template(a.chat_template),
+            max_queue=a.max_queue,
+            shutdown_timeout=a.shutdown_timeout,
+            log_level=a.log_level,
+        )
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+
+
+def cmd_serve(a: argparse.Namespace, fields: dict[str, Any], params: object) -> int:
+    from paged_engine import LLM
+    from paged_engine.entrypoints.server_runtime import run_server
+
+    llm = LLM(a.model, **fields)
+    run_server(llm, a.settings, model_root=str(a.model))
+    return 0

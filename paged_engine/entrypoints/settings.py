@@ -1,0 +1,58 @@
+"""The server's own settings (the engine's are ``EngineConfig``), checked when built, so
+``serve`` refuses a bad flag before the model loads. No server dependency is imported."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+API_KEY_ENV = "PAGED_ENGINE_API_KEY"
+"""The environment variable ``serve`` reads the API key from when ``--api-key`` is absent."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """``served_model_name``: the ``model`` clients must send (and ``/v1/models`` lists);
+    ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``;
+    ``chat_template``: the Jinja template for chat (None: the tokenizer's, if any);
+    ``max_queue``: the most engine requests (prompts, each with its ``n`` completions) the
+    server holds at once, queued or running; one more is answered 503 rather than queued;
+    ``shutdown_timeout``: after SIGTERM/SIGINT, seconds in-flight requests may run on
+    before they are aborted (their streams end with an error event);
+    ``max_step_failures``: consecutive failed engine steps after which the requests in
+    flight are failed (500) rather than retried again."""
+
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_queue: int = 1024
+    shutdown_timeout: float = 5.0
+    max_step_failures: int = 3
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.served_model_name, str) or not self.served_model_name:
+            raise ValueError(
+                f"served_model_name must be a non-empty string, got {self.served_model_name!r}"
+            )
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port <= 65535
+        ):
+            raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"chat_template must be a string or None, got {self.chat_template!r}")
+        for name in ("max_queue", "max_step_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        t = self.shutdown_timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"shutdown_timeout must be a finite number >= 0, got {t!r}")

@@ -1,0 +1,173 @@
+"""``paged-engine serve`` as a process: flags refused by name before the model loads; then a
+live server (ephemeral port, key from ``PAGED_ENGINE_API_KEY``) answering 401 without the
+key on every route but ``/health``, a 400 for chat without a template, 503 beyond
+``--max-queue``; and SIGTERM while streams run: the streams end and the process exits 0
+within its bounded time."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from paged_engine.__main__ import main as cli
+from tests.test_server_support import MODEL, PROMPTS, serve_process
+
+pytestmark = pytest.mark.timeout(120)
+KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = dict(
+    model=MODEL, max_tokens=1500, temperature=0, stream=True, extra_body={"ignore_eos": True}
+)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "70000"], "--port must be an int in [0, 65535], got 70000"),
+        (["--max-queue", "0"], "--max-queue: must be an int >= 1, got 0"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a finite number >= 0"),
+        (["--chat-template", "no/such/file"], "--chat-template: 'no/such/file' is neither"),
+        (["--api-key", ""], "--api-key must be a non-empty string"),
+        (["--block-size", "0"], "--block-size must be an int >= 1, got 0"),
+        (["--log-level", "loud"], "--log-level: invalid choice"),
+    ],
+)
+def test_bad_serve_flags_are_refused_by_name_before_the_model_loads(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli(["serve", "/nonexistent/model", *flags])  # the model would be the error otherwise
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_help_shows_the_server_flags_and_defaults(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        cli(["serve", "--help"])
+    out = capsys.readouterr().out
+    for text in ("--host HOST", "(default: 127.0.0.1)", "--max-queue N", "(default: 1024)",
+                 "PAGED_ENGINE_API_KEY", "--max-model-len", "--block-size"):  # fmt: skip
+        assert text in out, text
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """One server process for the module (its start costs seconds); the SIGTERM test,
+    last, ends it."""
+    flags = ["--max-queue", "4", "--shutdown-timeout", "0.5", "--max-model-len", "2048"]
+    flags += ["--num-kv-blocks", "2048"]
+    with serve_process(tiny_model_dir, *flags, env={"PAGED_ENGINE_API_KEY": KEY}) as served:
+        yield served
+
+
+@pytest.fixture
+def proc(served: tuple[str, subprocess.Popen[str]]) -> str:
+    assert served[1].poll() is None, "the server process has exited"
+    return served[0]
+
+
+@pytest.mark.parametrize(
+    ("method", "route"),
+    [
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/nowhere"),
+    ],
+)
+def test_every_route_but_health_needs_the_key(proc: str, method: str, route: str) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.request(method, proc + route, json=body, headers=headers, timeout=10)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert (
+        httpx.request(method, proc + route, json=body, headers=AUTH, timeout=10).status_code != 401
+    )
+    assert httpx.get(proc + "/health", timeout=10).status_code == 200
+
+
+def test_the_openai_client_with_a_wrong_key_gets_an_authentication_error(proc: str) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=proc + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert openai.OpenAI(base_url=proc + "/v1", api_key=KEY).models.list().data[0].id == MODEL
+
+
+def test_chat_without_a_template_is_a_400_naming_the_flag(proc: str) -> None:
+    client = openai.OpenAI(base_url=proc + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert "--chat-template" in info.value.message and info.value.param == "messages"
+
+
+def test_beyond_max_queue_the_server_answers_503(proc: str) -> None:
+    client = openai.OpenAI(base_url=proc + "/v1", api_key=KEY, timeout=30, max_retries=0)
+    streams = [client.completions.create(prompt=p, **LONG) for p in PROMPTS[:4]]  # type: ignore[call-overload]
+    for s in streams:
+        next(s)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(proc + "/v1/completions", json=body, headers=AUTH, timeout=10)
+    assert r.status_code == 503 and "--max-queue" in r.json()["error"]["message"], r.text
+    for s in streams:
+        s.close()
+    deadline = time.monotonic() + 5
+    while (
+        r := httpx.post(proc + "/v1/completions", json=body, headers=AUTH, timeout=10)
+    ).status_code == 503:
+        assert time.monotonic() < deadline, "the closed streams were never released"
+        time.sleep(0.05)
+    assert r.status_code == 200
+
+
+def test_sigterm_ends_the_streams_and_exits_in_bounded_time(
+    served: tuple[str, subprocess.Popen[str]],
+) -> None:
+    """Last in the module: it stops the module's server."""
+    url, process = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=30, max_retries=0)
+    ends: dict[int, Any] = {}
+    started = threading.Barrier(5)
+
+    def consume(i: int) -> None:
+        stream = client.completions.create(prompt=PROMPTS[i], **LONG)  # type: ignore[call-overload]
+        n = 0
+        try:
+            for _ in stream:
+                n += 1
+                if n == 3:
+                    started.wait(20)
+            ends[i] = ("end", n)
+        except openai.APIError as e:
+            ends[i] = ("error", n, e.message)
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(20)
+    t0 = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(15)
+    assert not any(t.is_alive() for t in threads), "a stream never ended"
+    assert process.wait(15) == 0
+    elapsed = time.monotonic() - t0
+    # each stream ran on during the grace period, then ended with the shutdown error event
+    assert sorted(ends) == [0, 1, 2, 3]
+    for end in ends.values():
+        assert end[0] == "error" and "shutting down" in end[2] and 3 <= end[1] < 1500, end
+    assert elapsed < 10, elapsed
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)
