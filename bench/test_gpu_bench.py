@@ -19,7 +19,8 @@ the markdown tables of the GPU report, with the targets:
   100-1,024 tokens drawn uniformly, temperature 0.6, ``ignore_eos``) on a Qwen3-0.6B-shaped
   model with random bfloat16 weights, built locally (no download, no tokenizer), through
   ``LLM`` with the Triton backend (block sizes 16 and 256) and flash-attn (256) when
-  installed: generated tokens per second.
+  installed, with decode CUDA graphs (the default), and Triton at 16 once more with
+  ``enforce_eager=True``: generated tokens per second.
 """
 
 from __future__ import annotations
@@ -258,14 +259,16 @@ def _flash_decode_ms(context: int) -> float:
 NUM_REQUESTS = 256
 LEN_RANGE = (100, 1024)
 E2E_CONFIGS = [
-    pytest.param("triton", 16, id="triton-bs16"),
+    pytest.param("triton", 16, False, id="triton-bs16"),
     pytest.param(
         "flash-attn",
         256,
+        False,
         id="flash-attn-bs256",
         marks=pytest.mark.skipif(not FLASH, reason="flash-attn is not installed"),
     ),
-    pytest.param("triton", 256, id="triton-bs256"),
+    pytest.param("triton", 256, False, id="triton-bs256"),
+    pytest.param("triton", 16, True, id="triton-bs16-eager"),  # CUDA graphs off: their gain
 ]
 
 
@@ -305,13 +308,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_qwen3_0_6b_shaped(tmp_path_factory.mktemp("qwen3-0.6b-shaped"))
 
 
-@pytest.mark.parametrize(("backend", "block_size"), E2E_CONFIGS)
-def test_end_to_end_throughput(model_dir: Path, backend: str, block_size: int) -> None:
+@pytest.mark.parametrize(("backend", "block_size", "eager"), E2E_CONFIGS)
+def test_end_to_end_throughput(model_dir: Path, backend: str, block_size: int, eager: bool) -> None:
     from paged_engine import LLM, SamplingParams
 
     llm = LLM(
         model_dir,
         attention_backend=backend,
+        enforce_eager=eager,
         kvcache_block_size=block_size,
         dtype="bfloat16",
         device="cuda",
@@ -339,6 +343,7 @@ def test_end_to_end_throughput(model_dir: Path, backend: str, block_size: int) -
                 "kind": "end_to_end",
                 "backend": llm.model_runner.backend.name,
                 "block_size": block_size,
+                "cuda_graphs": llm.model_runner.decode_graphs is not None,
                 "requests": NUM_REQUESTS,
                 "prompt_tokens": sum(len(p) for p in prompts),
                 "output_tokens": generated,
@@ -423,13 +428,14 @@ def report_tables(rows: list[dict[str, Any]]) -> str:
     ]
     if e2e:
         lines += [
-            "| backend | block | output tok/s | total tok/s | output tokens | seconds "
+            "| backend | block | graphs | output tok/s | total tok/s | output tokens | seconds "
             "| preemptions |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|---|---:|---:|---:|---:|---:|",
         ]
         for r in e2e:
             lines.append(
-                f"| {r['backend']} | {r['block_size']} | {r['output_tokens_per_s']} "
+                f"| {r['backend']} | {r['block_size']} | {_fmt(r.get('cuda_graphs'))} "
+                f"| {r['output_tokens_per_s']} "
                 f"| {r['total_tokens_per_s']} | {r['output_tokens']} | {r['seconds']} "
                 f"| {_fmt(r.get('preemptions'))} |"
             )

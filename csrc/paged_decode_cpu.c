@@ -38,9 +38,6 @@
  * end of a block (so with small blocks the accumulator is rescaled once per block). */
 #define CHUNK 32
 
-/* Deliberate bugs for the mutation tests (tests/kernel_mutants.py); 0 in production. */
-enum { MUTANT_BLOCK_WALK_FLOOR = 1, MUTANT_GQA_INTERLEAVED = 2 };
-
 typedef struct {
     const float *q;
     const float *k;
@@ -49,7 +46,7 @@ typedef struct {
     const int32_t *lens;
     float *out;
     int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
-    int batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks, flags;
+    int batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks;
     float scale;
 } Args;
 
@@ -61,14 +58,13 @@ static inline __attribute__((always_inline)) void decode_head(const Args *a, int
     const int BS = a->block_size;
     const int64_t row = (int64_t)a->kv_heads * D; /* floats from one token to the next */
     const int32_t *table = a->tables + (int64_t)b * a->table_width;
-    int len = a->lens[b];
-    if (a->flags & MUTANT_BLOCK_WALK_FLOOR) len = len / BS * BS;
+    const int len = a->lens[b];
 
     float qs[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][CHUNK];
     float m[MAX_GROUP], l[MAX_GROUP];
     int head[MAX_GROUP];
     for (int i = 0; i < G; i++) {
-        head[i] = (a->flags & MUTANT_GQA_INTERLEAVED) ? kh + i * a->kv_heads : kh * G + i;
+        head[i] = kh * G + i; /* query head h reads kv head h / G */
         const float *qq = a->q + b * a->q_stride_b + head[i] * a->q_stride_h;
         for (int x = 0; x < D; x++) {
             qs[i][x] = qq[x] * a->scale;
@@ -160,10 +156,10 @@ static PyObject *paged_decode_f32(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long q, k, v, tables, lens, out;
     Args a;
-    if (!PyArg_ParseTuple(args, "KKKKKKLLLLiiiiiiiif", &q, &k, &v, &tables, &lens, &out,
+    if (!PyArg_ParseTuple(args, "KKKKKKLLLLiiiiiiif", &q, &k, &v, &tables, &lens, &out,
                           &a.q_stride_b, &a.q_stride_h, &a.out_stride_b, &a.out_stride_h,
                           &a.batch, &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
-                          &a.table_width, &a.num_blocks, &a.flags, &a.scale))
+                          &a.table_width, &a.num_blocks, &a.scale))
         return NULL;
     if (a.kv_heads <= 0 || a.heads % a.kv_heads || a.heads / a.kv_heads > MAX_GROUP ||
         a.head_dim <= 0 || a.head_dim > MAX_DIM || a.block_size <= 0 || a.batch < 0) {
@@ -208,7 +204,7 @@ static PyMethodDef methods[] = {
     {"paged_decode_f32", paged_decode_f32, METH_VARARGS,
      "paged_decode_f32(q, k, v, tables, lens, out, q_stride_b, q_stride_h, out_stride_b, "
      "out_stride_h, batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks, "
-     "flags, scale): raw addresses and sizes; use paged_engine.kernels.paged_decode_cpu."},
+     "scale): raw addresses and sizes; use paged_engine.kernels.paged_decode_cpu."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -163,6 +163,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     """KV pool bytes on CPU; None sizes the pool automatically (see the class docstring)."""
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    """vLLM's name: True runs every decode step eagerly; False (the default) captures decode
+    into CUDA graphs per batch-size bucket on CUDA with the Triton or flash-attn backend
+    (``worker/cuda_graphs.py``). Elsewhere decode is eager either way."""
     seed: int = 0
     num_threads: int | None = field(default_factory=default_num_threads)
     """torch's intra-op CPU threads (process-wide: ``torch.set_num_threads``, when the
@@ -185,6 +189,10 @@ class EngineConfig:
     1.4x slower with the competing process (tiny: 2.7x even idle; hidden 1024: 0.78x
     idle). Hence 1 thread on 2 cores. Short spins (``GOMP_SPINCOUNT`` 3,000 or 30,000)
     measured worse than passive waiting under load."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is sharded over (vLLM's name): rank 0 in this process, the others in
+    spawned workers, one device each (``worker/tp_worker.py``). The model's heads, KV
+    heads, intermediate size and vocabulary must divide (checked before any worker starts)."""
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -222,6 +230,9 @@ class EngineConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
 
     def max_blocks_per_seq(self) -> int:
         """Blocks one ``max_model_len`` sequence needs."""

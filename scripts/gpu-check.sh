@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# GPU check: on one CUDA machine with no network, run the GPU tests (`pytest -m gpu`, the
-# same tests as `tox -e gpu`) and the GPU benchmarks (bench/test_gpu_bench.py), and write a
+# GPU check: on one CUDA machine with no network, run the offline kernel compile check
+# (scripts/compile_kernels.py, as `tox -e compile`), the GPU tests (`pytest -m gpu`, the same
+# tests as `tox -e gpu`: compiled Triton and flash-attn against the oracle machine, CUDA
+# graphs against eager decode) and the GPU benchmarks (bench/test_gpu_bench.py), and write a
 # short report: passed/failed, decode-attention bandwidth, end-to-end tokens/s.
 #
 #   scripts/gpu-check.sh            # report in $OUT/gpu-report.md, else ./gpu-report.md
 #
 # Budget-aware: the whole run stays under GPU_CHECK_BUDGET_S seconds (default 450, i.e.
-# 7.5 minutes; sized for one H200). Each phase runs under `timeout`, capped by what is left;
-# a phase cut short is reported as such, with whatever it finished.
+# 7.5 minutes: one call of at most 8 minutes on one H200). Each phase runs under `timeout`,
+# capped by what is left; a phase cut short is reported as such, with whatever it finished.
 #
 # Python: a CUDA-capable torch that is already installed is used as is (PYTHON=... picks
 # the interpreter; otherwise python3/python on PATH). Nothing is installed when every
@@ -17,8 +19,8 @@
 # `-c constraints.txt`; offline, those attempts fail fast and the report says what is
 # missing. flash-attn is optional: its absence is reported, its tests and comparisons skip.
 #
-# Exit status: 0 when the GPU tests ran and none failed; 1 otherwise. Benchmark figures are
-# reported against their targets, never turned into a failure.
+# Exit status: 0 when the compile check passed and the GPU tests ran with none failing; 1
+# otherwise. Benchmark figures are reported against their targets, never turned into a failure.
 
 set -uo pipefail
 
@@ -30,7 +32,8 @@ REPORT="$OUT_DIR/gpu-report.md"
 LOGS="$OUT_DIR/gpu-logs"
 RESULTS="$OUT_DIR/gpu-bench.jsonl"
 BUDGET="${GPU_CHECK_BUDGET_S:-450}"
-TESTS_S="${GPU_CHECK_TESTS_S:-210}"
+COMPILE_S="${GPU_CHECK_COMPILE_S:-60}"
+TESTS_S="${GPU_CHECK_TESTS_S:-200}"
 KERNEL_S="${GPU_CHECK_KERNEL_S:-75}"
 RESERVE_S=15 # kept back for the report
 mkdir -p "$LOGS"
@@ -177,18 +180,43 @@ outcome() {
     echo "${n:-0}"
 }
 
+# run_cmd_phase NAME WANT_SECONDS command...: like run_phase, for a command that is not pytest.
+run_cmd_phase() {
+    local name=$1 want=$2 limit rc t0=$SECONDS
+    shift 2
+    limit="$(phase_limit "$want")"
+    if ((limit < 20)); then
+        STATUS[$name]="not run: ${limit}s left for it in the ${BUDGET}s budget"
+        return
+    fi
+    log "$name: $* (limit ${limit}s)"
+    timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    SECS[$name]=$((SECONDS - t0))
+    case $rc in
+    0) STATUS[$name]="ok" ;;
+    124 | 137) STATUS[$name]="TIMED OUT after ${limit}s" ;;
+    *) STATUS[$name]="FAILED (exit $rc)" ;;
+    esac
+    log "$name: ${STATUS[$name]} in ${SECS[$name]}s"
+}
+
 if ((READY)); then
+    # Offline compiles need no GPU, but this machine has the cores to run them quickly.
+    run_cmd_phase compile "$COMPILE_S" "$PY" scripts/compile_kernels.py --jobs 8 \
+        --json "$OUT_DIR/compile-kernels.json"
     run_phase tests "$TESTS_S" -m gpu tests
     run_phase kernel-bench "$KERNEL_S" -m gpu bench/test_gpu_bench.py -k decode_attention -s
     run_phase e2e-bench "$BUDGET" -m gpu bench/test_gpu_bench.py -k end_to_end -s
 else
-    for name in tests kernel-bench e2e-bench; do STATUS[$name]="not run: no usable Python"; done
+    for name in compile tests kernel-bench e2e-bench; do STATUS[$name]="not run: no usable Python"; done
 fi
 
 # ---- 3. the report -------------------------------------------------------------------------
 
 tests_ok=0
-if [[ "${STATUS[tests]}" == ok* ]] && (($(outcome tests FAILED) + $(outcome tests ERROR) == 0)); then
+if [[ "${STATUS[tests]}" == ok* ]] && [[ "${STATUS[compile]}" == ok ]] &&
+    (($(outcome tests FAILED) + $(outcome tests ERROR) == 0)); then
     tests_ok=1
 fi
 
@@ -202,7 +230,7 @@ fi
     echo "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $commit," \
         "total $((SECONDS - START))s of a ${BUDGET}s budget."
     echo
-    if ((tests_ok)); then echo "**GPU tests: PASSED**"; else echo "**GPU tests: FAILED or not run**"; fi
+    if ((tests_ok)); then echo "**Compile check and GPU tests: PASSED**"; else echo "**Compile check or GPU tests: FAILED or not run**"; fi
     echo
     echo "## Environment"
     echo
@@ -230,6 +258,16 @@ fi
             echo "$skips"
             echo '```'
         fi
+    fi
+    echo
+    echo "## Offline kernel compiles (\`scripts/compile_kernels.py\`)"
+    echo
+    echo "${STATUS[compile]}${SECS[compile]:+, ${SECS[compile]}s}; every figure: compile-kernels.json."
+    if [[ -f "$LOGS/compile.log" ]]; then
+        echo
+        echo '```'
+        grep -E '^(FAIL|warning|OK|FAILED|[0-9]+ cases)' "$LOGS/compile.log" | head -20
+        echo '```'
     fi
     echo
     echo "## Benchmarks (\`bench/test_gpu_bench.py\`)"

@@ -447,6 +447,7 @@ def make_machine(config: MachineConfig) -> type[RuleBasedStateMachine]:
                 st_.k_cache,
                 st_.v_cache,
                 meta.slot_mapping,
+                meta,
             )
             index = torch.tensor(slots, dtype=torch.long, device=device)
             untouched = torch.ones(st_.k_cache.shape[0] * self.bs, dtype=torch.bool, device=device)

@@ -1,72 +1,175 @@
 """Deliberately broken attention kernels, each named after the bug it plants.
 
-Each mutant is the real code with one bug switched on, so there is no second copy of a
-kernel to drift from the first:
+The product carries no switch for any of them. Each mutant is the real kernel's source with
+one textual patch, built here:
 
-* Triton kernels: one of the kernel's ``MUTANT_*`` constexpr flags (they default to the
-  correct behaviour). tests/test_kernels.py requires every mutant to disagree with its
-  ``*_ref`` on some layout: proof that the layouts the tests draw can catch that class of
-  bug, e.g. that they include sequence lengths that are not multiples of the block size
-  and GQA ratios above 1 with several KV heads;
-* the compiled CPU decode kernel: a bit of its ``kernel_flags`` (tests/test_cpu_kernel.py
-  holds them to the same standard);
+* Triton kernels: the kernel function's source (``inspect.getsource``) with the patch
+  applied, executed in a copy of its module's namespace under ``@triton.jit`` (compiled,
+  or interpreted under ``TRITON_INTERPRET=1``, like the real one). ``KernelMutant.active``
+  puts it in place of the real kernel in its module for the duration of a block, so the
+  real launchers (and the backends built on them) run it with their real host code;
+* the compiled CPU decode kernel: a patched copy of ``csrc/paged_decode_cpu.c``, compiled in
+  a temporary directory with exactly the ``Extension`` that ``setup.py`` declares (its
+  ``setup()`` call is intercepted to read it), loaded as a separate module and swapped for
+  the real one the same way;
 * cascade decode attention: a rewrite of the step's ``CascadePlan``.
 
-tests/test_attention_machine.py shows the oracle machine catching each of them.
+tests/test_kernels.py and tests/test_cpu_kernel.py require every mutant to disagree with its
+``*_ref`` on some layout (proof that the layouts the tests draw can catch that class of
+bug); tests/test_attention_machine.py shows the oracle machine catching each of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import importlib.util
+import inspect
+import linecache
+import runpy
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 
+from paged_engine.kernels import paged_decode_attention as decode_module
+from paged_engine.kernels import paged_decode_cpu
+from paged_engine.kernels import paged_prefill_attention as prefill_module
 from paged_engine.kernels.paged_decode_attention import paged_decode_attention
 from paged_engine.kernels.paged_decode_cpu import paged_decode_attention_cpu
 from paged_engine.kernels.paged_prefill_attention import paged_prefill_attention
-from paged_engine.layers.attention import TorchAttentionBackend
-from paged_engine.layers.attention_cpu import CpuAttentionBackend
+from paged_engine.layers.attention.cpu import CpuAttentionBackend
+from paged_engine.layers.attention.torch_backend import TorchAttentionBackend
 from paged_engine.layers.cascade import CascadePlan
 
+ROOT = Path(__file__).resolve().parent.parent
+Patch = tuple[str, str]
+"""``(old, new)``: ``old`` must occur exactly once in the source."""
+
+
+def apply_patches(source: str, patches: tuple[Patch, ...], what: str) -> str:
+    for old, new in patches:
+        count = source.count(old)
+        if count != 1:
+            raise AssertionError(f"{what}: patch target found {count} times: {old!r}")
+        source = source.replace(old, new)
+    return source
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+_MODULES: dict[str, ModuleType] = {"decode": decode_module, "prefill": prefill_module}
+_KERNELS = {"decode": "_decode_kernel", "prefill": "_prefill_kernel"}
 _LAUNCHERS = {"decode": paged_decode_attention, "prefill": paged_prefill_attention}
+
+
+@functools.cache
+def _build_kernel(kind: str, name: str, patches: tuple[Patch, ...]) -> Any:
+    module = _MODULES[kind]
+    real = getattr(module, _KERNELS[kind])
+    source = apply_patches(inspect.getsource(real.fn), patches, name)
+    # Triton reads the kernel's source back through inspect (linecache): register it.
+    filename = f"<kernel mutant {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = dict(vars(module))
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[_KERNELS[kind]]
 
 
 @dataclass(frozen=True)
 class KernelMutant:
-    """Which kernel (``"decode"`` or ``"prefill"``) a mutant stands in for, and its flag."""
+    """A patched copy of the ``kind`` (``"decode"`` or ``"prefill"``) Triton kernel."""
 
     name: str
     kind: str
-    flag: str
+    patches: tuple[Patch, ...]
     bug: str
 
-    def launch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The real launcher of ``kind``, same arguments, with ``flag`` switched on."""
-        return _LAUNCHERS[self.kind](*args, **kwargs, kernel_flags={self.flag: True})
+    def kernel(self) -> Any:
+        return _build_kernel(self.kind, self.name, self.patches)
 
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """The mutant replaces the real kernel in its module inside the block."""
+        module, attr = _MODULES[self.kind], _KERNELS[self.kind]
+        real, mutant = getattr(module, attr), self.kernel()
+        setattr(module, attr, mutant)
+        try:
+            yield
+        finally:
+            setattr(module, attr, real)
+
+    def launch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The real launcher of ``kind``, same arguments, running the mutant kernel."""
+        with self.active():
+            return _LAUNCHERS[self.kind](*args, **kwargs)
+
+
+_DECODE_FLOOR = (
+    "    start = split * partition_size\n",
+    "    context_len = (context_len // BLOCK_SIZE) * BLOCK_SIZE\n"
+    "    start = split * partition_size\n",
+)
+_PREFILL_FLOOR = (
+    "    prefix_len = context_len - q_len\n",
+    "    prefix_len = context_len - q_len\n"
+    "    context_len = (context_len // BLOCK_SIZE) * BLOCK_SIZE\n",
+)
 
 MUTANTS: tuple[KernelMutant, ...] = (
     KernelMutant(
         name="decode_block_walk_off_by_one",
         kind="decode",
-        flag="MUTANT_BLOCK_WALK_FLOOR",
+        patches=(_DECODE_FLOOR,),
         bug="walks seq_len // block_size blocks instead of cdiv: drops a partial last block",
     ),
     KernelMutant(
         name="prefill_missing_causal_mask",
         kind="prefill",
-        flag="MUTANT_NO_CAUSAL_MASK",
+        patches=(
+            (
+                "kv_end = tl.minimum(prefix_len + tl.minimum(tile_start + BLOCK_M, q_len), "
+                "context_len)",
+                "kv_end = context_len",
+            ),
+            (
+                "visible = n_mask[None, :] & (offs_n[None, :] <= position[:, None])",
+                "visible = n_mask[None, :]",
+            ),
+        ),
         bug="new tokens attend to the whole context, including later new tokens",
     ),
     KernelMutant(
         name="decode_gqa_wrong_kv_head",
         kind="decode",
-        flag="MUTANT_GQA_INTERLEAVED",
+        patches=(("heads = kv_head * GROUP + offs_g", "heads = offs_g * NUM_KV_HEADS + kv_head"),),
         bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
 )
+
+PREFILL_MUTANTS: tuple[KernelMutant, ...] = (
+    KernelMutant(
+        name="prefill_block_walk_off_by_one",
+        kind="prefill",
+        patches=(_PREFILL_FLOOR,),
+        bug="reads seq_len // block_size whole blocks: drops a partial last block",
+    ),
+    KernelMutant(
+        name="prefill_gqa_wrong_kv_head",
+        kind="prefill",
+        patches=(("heads = kv_head * GROUP + g", "heads = g * NUM_KV_HEADS + kv_head"),),
+        bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
+    ),
+)
+"""The same bug classes planted in the prefill kernel (the attention machine must catch
+them; the hand-picked layouts of test_kernels.py only the first tuple's)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,33 +239,97 @@ class CascadeMutantBackend(TorchAttentionBackend):
 
 
 # --------------------------------------------------------------------------------------------
-# The compiled CPU decode kernel (csrc/paged_decode_cpu.c): the same bug classes, planted
-# through its ``kernel_flags`` bits (the real kernel with one bug switched on).
+# The compiled CPU decode kernel (csrc/paged_decode_cpu.c): the same bug classes, each in a
+# patched copy of the C file compiled for the tests alone.
 # --------------------------------------------------------------------------------------------
+
+C_SOURCE = ROOT / "csrc" / "paged_decode_cpu.c"
+
+
+def setup_extension() -> Any:
+    """The ``Extension`` that setup.py declares, read by running setup.py with its
+    ``setup()`` call intercepted (nothing is built or installed)."""
+    seen: dict[str, Any] = {}
+    with mock.patch("setuptools.setup", lambda **kw: seen.update(kw)):
+        runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    (ext,) = seen["ext_modules"]
+    return ext
+
+
+@functools.cache
+def build_c_mutant(name: str, patches: tuple[Patch, ...]) -> ModuleType:
+    """Compile ``csrc/paged_decode_cpu.c`` with ``patches`` applied into a temporary
+    directory, with setup.py's compiler flags, and load it as a module of its own."""
+    from setuptools import Distribution
+    from setuptools.command.build_ext import build_ext
+
+    work = Path(tempfile.mkdtemp(prefix=f"paged-engine-{name}-"))
+    source = work / "paged_decode_cpu.c"
+    source.write_text(apply_patches(C_SOURCE.read_text(), patches, name))
+    real = setup_extension()
+    ext = replace_extension(real, str(source))
+    cmd = build_ext(Distribution({"name": f"mutant-{name}", "ext_modules": [ext]}))
+    cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
+    cmd.ensure_finalized()
+    cmd.run()
+    path = cmd.get_ext_fullpath(ext.name)
+    # The init symbol is PyInit__cpu_kernels: keep that last component in the module name.
+    spec = importlib.util.spec_from_file_location(f"_mutant_{name}._cpu_kernels", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def replace_extension(ext: Any, source: str) -> Any:
+    """A copy of setup.py's ``Extension`` compiling ``source`` instead, optional no more
+    (a mutant that fails to build must fail the test)."""
+    from setuptools import Extension
+
+    return Extension(
+        ext.name,
+        sources=[source],
+        extra_compile_args=list(ext.extra_compile_args),
+        extra_link_args=list(ext.extra_link_args),
+        libraries=list(ext.libraries),
+        define_macros=list(ext.define_macros),
+    )
 
 
 @dataclass(frozen=True)
 class CpuKernelMutant:
-    """A ``KernelMutant`` for the CPU decode kernel: ``flag`` is a bit of ``kernel_flags``."""
+    """A patched copy of the CPU decode kernel, run by the real launcher."""
 
     name: str
-    flag: int
+    patches: tuple[Patch, ...]
     bug: str
     kind: str = "decode"
 
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        module = build_c_mutant(self.name, self.patches)
+        with mock.patch.object(paged_decode_cpu, "_MODULE", module):
+            yield
+
     def launch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return paged_decode_attention_cpu(*args, **kwargs, kernel_flags=self.flag)
+        with self.active():
+            return paged_decode_attention_cpu(*args, **kwargs)
 
 
 CPU_MUTANTS: tuple[CpuKernelMutant, ...] = (
     CpuKernelMutant(
         name="cpu_decode_block_walk_floor",
-        flag=1,
+        patches=(
+            (
+                "a->table_width;\n    const int len = a->lens[b];\n",
+                "a->table_width;\n    const int len = a->lens[b] / BS * BS;\n",
+            ),
+        ),
         bug="reads seq_len // block_size whole blocks: drops a partial last block",
     ),
     CpuKernelMutant(
         name="cpu_decode_gqa_wrong_kv_head",
-        flag=2,
+        patches=(("head[i] = kh * G + i;", "head[i] = kh + i * a->kv_heads;"),),
         bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
 )

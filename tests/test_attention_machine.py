@@ -42,14 +42,15 @@ from paged_engine.layers.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
 )
-from paged_engine.layers.attention_cpu import CpuAttentionBackend
-from paged_engine.layers.attention_triton import TritonAttentionBackend
+from paged_engine.layers.attention.cpu import CpuAttentionBackend
+from paged_engine.layers.attention.triton_backend import TritonAttentionBackend
 from paged_engine.layers.cascade import CascadePlan
 from tests.attention_machine import BackendFactory, Geometry, Lane, MachineConfig, make_machine
 from tests.kernel_mutants import (
     CASCADE_MUTANTS,
     CPU_MUTANTS,
     MUTANTS,
+    PREFILL_MUTANTS,
     CascadeMutant,
     CascadeMutantBackend,
     CpuKernelMutant,
@@ -87,7 +88,7 @@ def triton_backend(block_size: int, dtype: torch.dtype) -> AttentionBackend:
 
 
 def flash_backend(block_size: int, dtype: torch.dtype) -> AttentionBackend:
-    from paged_engine.layers.attention_flash import FlashAttnBackend
+    from paged_engine.layers.attention.flash import FlashAttnBackend
 
     return FlashAttnBackend(block_size=block_size, dtype=dtype)
 
@@ -154,14 +155,15 @@ def test_torch_backend_machine() -> None:
 
 @needs_interpreter
 def test_triton_backend_machine_interpreted() -> None:
-    """Triton (interpreted) in float32 and float16, with the torch float32 lane alongside:
-    8 runs of up to 30 steps (~15 s)."""
+    """Triton (interpreted) in float32 and float16, with the torch float32 lane alongside,
+    at block sizes 4, 8, 16 and 24: 8 runs of up to 30 steps (~15 s)."""
     config = MachineConfig(
         lanes=(
             lane("torch", torch_backend, FP32),
             lane("triton", triton_backend, FP32),
             lane("triton", triton_backend, FP16),
-        )
+        ),
+        block_sizes=(4, 8, 16, 24),  # any block size: 24 is no power of two
     )
     run_state_machine_as_test(
         make_machine(config), settings=settings(BASE, max_examples=8, stateful_step_count=30)
@@ -174,34 +176,20 @@ def test_triton_backend_machine_interpreted() -> None:
 
 
 class MutantTritonBackend(TritonAttentionBackend):
-    """The Triton backend with one kernel replaced by a mutant launcher of the same kind."""
+    """The Triton backend running one mutant kernel (the real host code around it)."""
 
     def __init__(self, mutant: KernelMutant, block_size: int, dtype: torch.dtype) -> None:
         super().__init__(block_size, dtype)
         self.name = f"triton[{mutant.name}]"
-        if mutant.kind == "decode":
-            self._decode = mutant.launch
-        else:
-            self._prefill = mutant.launch
+        self.mutant = mutant
+
+    def attend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with self.mutant.active():
+            return super().attend(*args, **kwargs)
 
 
-# tests/kernel_mutants.py plants the block-walk and GQA bugs in the decode kernel; the prefill
-# kernel carries the same switches, so the machine is held to catching them there too.
-ALL_MUTANTS = (
-    *MUTANTS,
-    KernelMutant(
-        name="prefill_block_walk_off_by_one",
-        kind="prefill",
-        flag="MUTANT_BLOCK_WALK_FLOOR",
-        bug="reads seq_len // block_size whole blocks: drops a partial last block",
-    ),
-    KernelMutant(
-        name="prefill_gqa_wrong_kv_head",
-        kind="prefill",
-        flag="MUTANT_GQA_INTERLEAVED",
-        bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
-    ),
-)
+# The block-walk and GQA bugs in both kernels, and the prefill kernel's missing causal mask.
+ALL_MUTANTS = (*MUTANTS, *PREFILL_MUTANTS)
 
 # No shrinking: we only need to know that a failing run exists, not its smallest form.
 HUNT = settings(
@@ -282,11 +270,11 @@ class StrayStoreBackend(TorchAttentionBackend):
     """A store with a block-index bug: each row also lands one block further on (wrapping
     around the pool), i.e. in a block the writing sequence may not own (R9)."""
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, meta=None):  # type: ignore[no-untyped-def]
         pool_slots = k_cache.shape[0] * k_cache.shape[1]
         stray = (slot_mapping + k_cache.shape[1]) % pool_slots
         super().store_kv(key, value, k_cache, v_cache, stray)
-        super().store_kv(key, value, k_cache, v_cache, slot_mapping)
+        super().store_kv(key, value, k_cache, v_cache, slot_mapping, meta)
 
 
 def test_machine_catches_stray_store() -> None:

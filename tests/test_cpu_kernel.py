@@ -24,7 +24,7 @@ from paged_engine.layers.attention import (
     get_attention_backend,
     make_attention_metadata,
 )
-from paged_engine.layers.attention_cpu import CpuAttentionBackend
+from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from tests.kernel_mutants import CPU_MUTANTS, CpuKernelMutant
 from tests.test_kernels import (
     DECODE_CASES,

@@ -27,6 +27,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib.machinery
 import itertools
 import math
 import random
@@ -50,10 +51,10 @@ from paged_engine.kernels.paged_prefill_attention import (
     paged_prefill_attention_ref,
 )
 from paged_engine.kernels.store_kv import store_kv, store_kv_ref
-from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.layers.attention_flash import FlashAttnBackend
-from paged_engine.layers.attention_triton import TritonAttentionBackend
-from tests.kernel_mutants import MUTANTS, KernelMutant
+from paged_engine.layers.attention.base import AttentionMetadata
+from paged_engine.layers.attention.flash import FlashAttnBackend
+from paged_engine.layers.attention.triton_backend import TritonAttentionBackend
+from tests.kernel_mutants import MUTANTS, PREFILL_MUTANTS, KernelMutant
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -335,7 +336,7 @@ def decode_cases(draw: st.DrawFn) -> tuple[Case, dict[str, Any]]:
     batch = draw(st.integers(1, 4))
     case = decode_case(
         tuple(draw(st.lists(st.integers(1, 90), min_size=batch, max_size=batch))),
-        block_size=draw(st.sampled_from([8, 16, 32])),
+        block_size=draw(st.sampled_from([8, 16, 24, 32, 48])),
         num_kv_heads=draw(st.sampled_from([1, 2])),
         group=draw(st.sampled_from([1, 2, 3])),
         head_dim=draw(st.sampled_from([16, 32, 48])),
@@ -370,13 +371,61 @@ def test_decode_zero_length_context_gives_zeros_and_fills_out() -> None:
 
 
 def test_decode_split_policy() -> None:
-    """The documented H200 plans (132 SMs) and the no-split cases."""
+    """``choose_num_splits`` against its docstring's rule, restated as a search, plus its
+    bounds and monotonicity over a grid, and the launcher's outputs split and unsplit.
+
+    The rule: split a sequence's context over more programs while ``batch * num_kv_heads``
+    programs leave fewer than ``_PROGRAMS_PER_SM`` per SM, or while one program would
+    stream more than ``_MAX_PARTITION`` tokens; never give a split fewer than
+    ``_MIN_PARTITION`` tokens, nor exceed ``_MAX_SPLITS``. Restated: the fewest splits that
+    reach both goals among the allowed counts, else the most allowed. The constants are
+    read from the module that defines the function (tuning, not the rule)."""
+    plan = sys.modules[choose_num_splits.__module__]
+    per_sm, longest = plan._PROGRAMS_PER_SM, plan._MAX_PARTITION
+    shortest, cap = plan._MIN_PARTITION, plan._MAX_SPLITS
+
+    def by_search(batch: int, kv_heads: int, context: int, sms: int) -> int:
+        allowed = [n for n in range(1, cap + 1) if n == 1 or context / n >= shortest]
+        enough = [
+            n for n in allowed if batch * kv_heads * n >= per_sm * sms and n * longest >= context
+        ]
+        return enough[0] if enough else allowed[-1]
+
+    batches, heads, sms = (1, 2, 3, 7, 64, 100, 512, 4096), (1, 2, 8), (1, 80, 132)
+    contexts = (1, 100, 255, 256, 511, 512, 1000, 1024, 1025, 2048, 3000, 8192, 10**5, 10**6)
+    grid = {
+        key: choose_num_splits(*key) for key in itertools.product(batches, heads, contexts, sms)
+    }
+    for (b, h, c, m), n in grid.items():
+        assert n == by_search(b, h, c, m), ((b, h, c, m), n)
+        assert 1 <= n <= cap and (n == 1 or c // n >= shortest)
+        if b * h >= per_sm * m and c <= longest:
+            assert n == 1, "split without a reason"
+    # more context or more SMs never fewer splits; more sequences or KV heads never more
+    axes = (batches, heads, contexts, sms)
+    for key, n in grid.items():
+        for i, axis in enumerate(axes):
+            at = axis.index(key[i])
+            if at + 1 < len(axis):
+                after = grid[(*key[:i], axis[at + 1], *key[i + 1 :])]
+                assert after >= n if i >= 2 else after <= n, (key, i, n, after)
+    # By hand, H200 (132 SMs) at B=64, KVH=8: 512 programs for 1056 wanted (8 x 132) need 3
+    # splits, context 2048 needs 2, and 2048 // 256 = 8 are allowed: 3. At 8192 tokens the
+    # length needs 8 (of 32 allowed): 8.
     assert choose_num_splits(64, 8, 2048, 132) == 3
     assert choose_num_splits(64, 8, 8192, 132) == 8
-    assert choose_num_splits(1, 8, 8192, 132) == 32
-    assert choose_num_splits(64, 8, 200, 132) == 1  # too short to be worth a split
-    assert choose_num_splits(512, 8, 1024, 132) == 1  # enough programs already
-    assert choose_num_splits(1, 1, 10**6, 132) == 128  # capped
+
+    # One 600-token sequence, one KV head: a 624-token table allows 624 // 256 = 2 splits,
+    # and one program is below any SM count's target, so the policy splits in 2 whatever
+    # the device; the launcher's default (the policy) and forced splits all agree with the
+    # unsplit pass and the reference.
+    t = make_tensors(decode_case((600,), block_size=16, num_kv_heads=1, group=2, head_dim=16))
+    capacity = t.block_tables.shape[1] * 16
+    assert capacity == 624 and {choose_num_splits(1, 1, capacity, m) for m in sms} == {2}
+    unsplit = run_decode(t, num_splits=1)
+    assert_close(unsplit, ref_decode(t))
+    for splits in (None, 2, 5):
+        assert_close(run_decode(t, num_splits=splits), unsplit)
 
 
 def _decode_args() -> dict[str, Any]:
@@ -474,7 +523,7 @@ def prefill_cases(draw: st.DrawFn) -> tuple[Case, dict[str, Any]]:
     case = Case(
         seq_lens=tuple(seq_lens),
         query_lens=tuple(query_lens),
-        block_size=draw(st.sampled_from([8, 16, 32])),
+        block_size=draw(st.sampled_from([8, 16, 24, 32, 48])),
         num_kv_heads=draw(st.sampled_from([1, 2])),
         group=group,
         head_dim=draw(st.sampled_from([16, 32])),
@@ -555,7 +604,9 @@ def test_prefill_rejects_bad_arguments(
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+@pytest.mark.parametrize(
+    "mutant", MUTANTS + PREFILL_MUTANTS, ids=[m.name for m in MUTANTS + PREFILL_MUTANTS]
+)
 def test_each_mutant_disagrees_with_ref_on_some_layout(mutant: KernelMutant) -> None:
     """Run the mutant over the hand-picked layouts that the real kernel passes; one must fail.
 
@@ -699,19 +750,40 @@ def test_triton_backend_empty_cache_is_plain_causal_attention() -> None:
         backend.attend(q[:2], k[:2], v[:2], empty, empty, prefix_meta, 0.3)
 
 
+@pytest.mark.parametrize("block_size", [24, 48])
+def test_triton_backend_takes_block_sizes_that_are_not_powers_of_two(block_size: int) -> None:
+    """Fresh prompts, a mid-block second chunk, then decode, at block sizes 24 and 48: the
+    kernels gather per token and mask past each context, so any block size works."""
+    backend = TritonAttentionBackend(block_size=block_size, dtype=torch.float16)
+    run_engine_steps(backend, SMALL_STEPS, block_size, torch.float16)
+
+
+@pytest.mark.parametrize("block_size", [24, 48])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=["fp32", "fp16"])
+def test_kernels_match_ref_at_block_sizes_24_and_48(block_size: int, dtype: torch.dtype) -> None:
+    # Lengths on both sides of block edges, a prefix ending mid-block, GQA over 2 KV heads.
+    decode = make_tensors(decode_case((49, 1, 96, 23), block_size=block_size, dtype=dtype))
+    assert_close(run_decode(decode, num_splits=1), ref_decode(decode))
+    assert_close(run_decode(decode, num_splits=3, block_n=16), ref_decode(decode))
+    case = Case(seq_lens=(50, 30, 97), query_lens=(50, 7, 40), block_size=block_size, dtype=dtype)
+    prefill = make_tensors(case)
+    assert_close(run_prefill(prefill), ref_prefill(prefill))
+
+
 @pytest.mark.parametrize(
-    ("block_size", "dtype", "match"),
+    ("block_size", "dtype", "head_dim", "match"),
     [
-        (24, torch.float16, "power of two"),
-        (0, torch.float16, "power of two"),
-        (16, torch.float64, "not supported"),
+        (0, torch.float16, None, "positive int"),
+        (16, torch.float64, None, "not supported"),
+        (16, torch.float16, 8, "head_dim 16..256"),
+        (16, torch.float16, 320, "head_dim 16..256"),
     ],
 )
 def test_triton_backend_rejects_bad_configuration(
-    block_size: int, dtype: torch.dtype, match: str
+    block_size: int, dtype: torch.dtype, head_dim: int | None, match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        TritonAttentionBackend(block_size=block_size, dtype=dtype)
+        TritonAttentionBackend(block_size=block_size, dtype=dtype, head_dim=head_dim)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="bfloat16 is only refused under the interpreter")
@@ -732,25 +804,34 @@ FLASH = CUDA and _flash_attn_importable()
 
 
 @pytest.mark.parametrize(
-    ("block_size", "dtype", "match"),
+    ("block_size", "dtype", "head_dim", "match"),
     [
-        (256, torch.float32, "float16/bfloat16"),
-        (16, torch.float16, "multiple of 256"),
-        (384, torch.bfloat16, "multiple of 256"),
+        (256, torch.float32, None, "float16 and bfloat16 only"),
+        (16, torch.float16, None, "% 256 == 0"),
+        (384, torch.bfloat16, None, "% 256 == 0"),
+        (256, torch.float16, 100, "head_dim a multiple of 8"),
+        (256, torch.float16, 264, "head_dim a multiple of 8 up to 256"),
     ],
 )
 def test_flash_backend_rejects_unsupported_configuration(
-    block_size: int, dtype: torch.dtype, match: str
+    block_size: int, dtype: torch.dtype, head_dim: int | None, match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        FlashAttnBackend(block_size=block_size, dtype=dtype)
+        FlashAttnBackend(block_size=block_size, dtype=dtype, head_dim=head_dim)
 
 
 @pytest.mark.skipif(FLASH, reason="flash-attn runs here")
 def test_flash_backend_says_why_it_cannot_run_here() -> None:
-    match = "flash-attn is not importable" if CUDA else "needs a CUDA device"
+    match = "flash-attn is not installed" if CUDA else "needs a CUDA device"
     with pytest.raises(ValueError, match=match):
         FlashAttnBackend(block_size=256, dtype=torch.float16)
+
+
+def test_flash_backend_refuses_gpus_before_ampere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ValueError, match=r"compute capability 8\.0\+ .* this device is 7\.5"):
+        FlashAttnBackend(block_size=256, dtype=torch.float16, head_dim=128)
 
 
 def _fake_flash_attn() -> Any:
@@ -801,6 +882,7 @@ def _fake_flash_attn() -> Any:
         return out
 
     module = type(sys)("flash_attn")
+    module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)  # find_spec sees it
     module.flash_attn_varlen_func = flash_attn_varlen_func
     module.flash_attn_with_kvcache = flash_attn_with_kvcache
     return module
@@ -810,7 +892,8 @@ def test_flash_backend_wiring_against_a_fake_flash_attn(monkeypatch: pytest.Monk
     """Fresh prompts (plain varlen), prefixed chunks (block_table varlen), decode (kvcache)."""
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    backend = FlashAttnBackend(block_size=256, dtype=torch.float16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    backend = FlashAttnBackend(block_size=256, dtype=torch.float16, head_dim=32)
     steps: list[Step] = [
         [(0, 300), (1, 40), (2, 7)],
         [(0, 230), (1, 260)],  # prefixes of 300 (past a block edge) and 40 tokens

@@ -75,8 +75,6 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    *,
-    kernel_flags: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[B, H, D]``.
 
@@ -84,7 +82,7 @@ def paged_decode_attention_cpu(
     with a unit last stride, caches as ``store_kv`` writes them, ``block_tables``
     ``[B, max_blocks]`` int32 (-1 padding past each context), ``seq_lens`` ``[B]`` int32, the
     context length including the new token. All float32 and on the CPU. A zero-length
-    context gives zeros. ``kernel_flags`` plants the mutation tests' bugs; leave it 0.
+    context gives zeros.
     """
     what = "paged_decode_attention_cpu"
     if _MODULE is None:
@@ -131,7 +129,6 @@ def paged_decode_attention_cpu(
         block_size,
         block_tables.shape[1],
         k_cache.shape[0],
-        kernel_flags,
         scale,
     )
     return out

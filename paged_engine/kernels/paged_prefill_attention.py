@@ -25,58 +25,28 @@ keeps a float32 online softmax (base 2). Programs whose tile lies beyond their s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import triton
 import triton.language as tl
 
-from paged_engine.kernels.paged_decode_attention import gather_context_ref
+from paged_engine.kernels.decode_plan import LOG2E
+from paged_engine.kernels.launch import KernelLaunch, run_launches
+from paged_engine.kernels.prefill_plan import PrefillPlan, prefill_launch_plan
+from paged_engine.kernels.reference import paged_prefill_attention_ref
 from paged_engine.kernels.store_kv import (
     check_int_vector,
     check_launchable,
     check_query_and_tables,
 )
 
-_LOG2E = 1.4426950408889634
-
-
-def paged_prefill_attention_ref(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Reference prefill attention in plain float32 torch, one sequence at a time.
-
-    Gathers the sequence's contiguous K/V through its block table, then computes
-    ``softmax(q k^T * scale + causal_mask) v`` where new token ``m`` may see context positions
-    ``<= seq_len - q_len + m``; query head ``h`` reads KV head ``h // (H // KVH)``.
-    """
-    num_tokens, num_heads, head_dim = query.shape
-    group = num_heads // k_cache.shape[2]
-    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
-    for b in range(seq_lens.shape[0]):
-        q_start, q_end = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        q_len, context_len = q_end - q_start, int(seq_lens[b])
-        if q_len == 0:
-            continue
-        if q_len > context_len:
-            raise ValueError(f"sequence {b}: {q_len} new tokens but a context of {context_len}")
-        k = gather_context_ref(k_cache, block_tables[b], context_len).float()
-        v = gather_context_ref(v_cache, block_tables[b], context_len).float()
-        k = k.repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v.repeat_interleave(group, dim=1)
-        q = query[q_start:q_end].float()  # [Q, H, D]
-        scores = torch.einsum("qhd,lhd->hql", q, k) * scale
-        positions = torch.arange(context_len - q_len, context_len, device=query.device)
-        visible = torch.arange(context_len, device=query.device)[None, :] <= positions[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[q_start:q_end] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), v)
-    return out.to(query.dtype)
+__all__ = [
+    "PrefillPlan",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "plan_paged_prefill",
+    "prefill_launch_plan",
+    "prefill_launches",
+]
 
 
 @triton.jit
@@ -95,9 +65,6 @@ def _prefill_kernel(
     stride_oh,
     stride_bt,
     max_blocks,
-    stride_cb,
-    stride_ct,
-    stride_ch,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
@@ -106,12 +73,9 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    # Deliberate bugs for tests/kernel_mutants.py; the defaults are the correct kernel.
-    MUTANT_NO_CAUSAL_MASK: tl.constexpr = False,
-    MUTANT_BLOCK_WALK_FLOOR: tl.constexpr = False,
-    MUTANT_GQA_INTERLEAVED: tl.constexpr = False,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M * GROUP_P2
+    ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM  # elements from one cached token to the next
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -124,17 +88,12 @@ def _prefill_kernel(
     # Clamp to the table's width so a bad length cannot read past the block table.
     context_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE)
     prefix_len = context_len - q_len
-    if MUTANT_BLOCK_WALK_FLOOR:
-        context_len = (context_len // BLOCK_SIZE) * BLOCK_SIZE  # drops the partial last block
 
     offs_r = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     token = tile_start + offs_r // GROUP_P2  # index among this sequence's new tokens
     g = offs_r % GROUP_P2
-    if MUTANT_GQA_INTERLEAVED:  # noqa: SIM108 (keep the two mappings side by side)
-        heads = g * NUM_KV_HEADS + kv_head  # wrong: query head h -> KV head h % KVH
-    else:
-        heads = kv_head * GROUP + g
+    heads = kv_head * GROUP + g  # query head h -> KV head h // GROUP
     r_mask = (token < q_len) & (g < GROUP)
     d_mask = offs_d < HEAD_DIM
     q_rows = (q_start + token).to(tl.int64)
@@ -146,30 +105,25 @@ def _prefill_kernel(
     position = prefix_len + token  # absolute position of each row's token
 
     # Keys past the tile's last token are invisible to every row: stop the walk there.
-    if MUTANT_NO_CAUSAL_MASK:
-        kv_end = context_len
-    else:
-        kv_end = tl.minimum(prefix_len + tl.minimum(tile_start + BLOCK_M, q_len), context_len)
+    kv_end = tl.minimum(prefix_len + tl.minimum(tile_start + BLOCK_M, q_len), context_len)
 
     m_i = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_off = kv_head * stride_ch
+    head_off = kv_head * HEAD_DIM
     for n_start in range(0, kv_end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        rows = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + head_off
+        rows = block * (BLOCK_SIZE * ROW) + ((offs_n % BLOCK_SIZE) * ROW + head_off)
         k_t = tl.load(
             k_cache_ptr + rows[None, :] + offs_d[:, None],
             mask=n_mask[None, :] & d_mask[:, None],
             other=0.0,
         )
         scores = tl.dot(q, k_t, input_precision="ieee") * qk_scale  # [BLOCK_Q, BLOCK_N]
-        visible = n_mask[None, :]
-        if not MUTANT_NO_CAUSAL_MASK:
-            visible = visible & (offs_n[None, :] <= position[:, None])
+        visible = n_mask[None, :] & (offs_n[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -189,7 +143,7 @@ def _prefill_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
-def _check_prefill_args(
+def plan_paged_prefill(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -197,8 +151,12 @@ def _check_prefill_args(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     max_query_len: int,
-    out: torch.Tensor | None,
-) -> tuple[int, int, int, int, int]:
+    out: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> PrefillPlan:
+    """Check a prefill launch's arguments and plan it (see ``paged_prefill_attention``)."""
     what = "paged_prefill_attention"
     batch, num_heads, num_kv_heads, head_dim, block_size = check_query_and_tables(
         what, query, k_cache, v_cache, block_tables, one_query_per_sequence=False
@@ -209,21 +167,59 @@ def _check_prefill_args(
         raise ValueError(f"{what}: max_query_len must be a non-negative int, got {max_query_len!r}")
     tensors = [k_cache, v_cache, block_tables, query_start_loc, seq_lens]
     check_launchable(_prefill_kernel, what, query, out, *tensors)
-    return batch, num_heads, num_kv_heads, head_dim, block_size
+    return prefill_launch_plan(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        max_query_len=max_query_len,
+        dtype=query.dtype,
+        block_m=block_m,
+        block_n=block_n,
+    )
 
 
-def _default_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
-    """(query rows, keys, warps) per tile.
-
-    16-bit: 128x64 with 8 warps up to D=128 (wgmma-sized), 64x32 with 4 warps at D=256.
-    float32 (a testing dtype) runs its dots on FMA units and spills registers beyond 32x16.
-    Checked by compiling for sm_90 offline: no spills with these choices.
-    """
-    if dtype.itemsize >= 4:
-        return 32, 16, 8
-    if triton.next_power_of_2(head_dim) <= 128:
-        return 128, 64, 8
-    return 64, 32, 4
+def prefill_launches(
+    plan: PrefillPlan,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> tuple[KernelLaunch, ...]:
+    """The launch that computes ``plan`` into ``out``; nothing is checked here."""
+    if plan.batch == 0 or plan.max_query_len == 0 or query.shape[0] == 0 or plan.num_heads == 0:
+        return ()
+    args = (
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        block_tables.shape[1],
+    )
+    return (
+        KernelLaunch(
+            kernel=_prefill_kernel,
+            grid=plan.grid,
+            args=args,
+            constexprs=plan.constexprs(),
+            num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+        ),
+    )
 
 
 def paged_prefill_attention(
@@ -239,7 +235,6 @@ def paged_prefill_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
-    kernel_flags: Mapping[str, bool] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; ``[N, H, D]``.
 
@@ -248,66 +243,31 @@ def paged_prefill_attention(
     ``seq_lens[i]``-token context already stored in the cache. ``block_tables`` ``[B,
     max_blocks]`` int32 padded with -1; ``query_start_loc`` ``[B + 1]`` and ``seq_lens``
     ``[B]`` int32; ``max_query_len`` a host-side bound on ``q_len`` that sizes the grid (tokens
-    beyond it are not computed). Query head ``h`` reads KV head ``h // (H // KVH)``.
+    beyond it are not computed). Query head ``h`` reads KV head ``h // (H // KVH)``. The
+    cache block size may be any positive integer.
 
     Keyword-only tuning knobs: ``block_m`` (new tokens per tile; the tile has ``block_m *
     next_pow2(H // KVH)`` rows, which must be >= 16) and ``block_n`` (keys per tile, a power of
     two >= 16). Lengths and block ids are not checked on the device (a sync per step):
     ``q_len > seq_len`` or -1 entries inside a context are undefined behaviour.
-
-    ``kernel_flags`` switches on deliberate bugs (tests/kernel_mutants.py); leave it unset.
     """
-    what = "paged_prefill_attention"
-    batch, num_heads, num_kv_heads, head_dim, block_size = _check_prefill_args(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, out
-    )
-    if out is None:
-        out = torch.empty_like(query)
-    if batch == 0 or max_query_len == 0 or query.shape[0] == 0 or num_heads == 0:
-        return out
-    group = num_heads // num_kv_heads
-    group_p2 = triton.next_power_of_2(group)
-    rows, default_n, num_warps = _default_tiles(query.dtype, head_dim)
-    if block_m is None:
-        block_m = max(1, rows // group_p2)
-    if block_n is None:
-        block_n = default_n
-    if block_m < 1 or block_m & (block_m - 1) or block_m * group_p2 < 16:
-        raise ValueError(
-            f"{what}: block_m must be a power of two with block_m * {group_p2} >= 16 rows, "
-            f"got {block_m}"
-        )
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"{what}: block_n must be a power of two >= 16, got {block_n}")
-    grid = (triton.cdiv(max_query_len, block_m), batch, num_kv_heads)
-    _prefill_kernel[grid](
+    plan = plan_paged_prefill(
         query,
         k_cache,
         v_cache,
         block_tables,
         query_start_loc,
         seq_lens,
+        max_query_len,
         out,
-        scale * _LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        block_tables.shape[1],
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        GROUP_P2=group_p2,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-        num_stages=2,
-        **(kernel_flags or {}),
+        block_m=block_m,
+        block_n=block_n,
+    )
+    if out is None:
+        out = torch.empty_like(query)
+    run_launches(
+        prefill_launches(
+            plan, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out
+        )
     )
     return out

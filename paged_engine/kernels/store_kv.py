@@ -22,6 +22,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from paged_engine.kernels.checks import check_int_vector, check_kv_caches, check_query_and_tables
+from paged_engine.kernels.decode_plan import next_power_of_2
+from paged_engine.kernels.launch import KernelLaunch, run_launches
 
 __all__ = [
     "INTERPRETER_DTYPES",
@@ -32,8 +34,10 @@ __all__ = [
     "check_launchable",
     "check_query_and_tables",
     "check_runnable",
+    "check_store_kv",
     "kernel_is_interpreted",
     "store_kv",
+    "store_kv_launches",
     "store_kv_ref",
 ]
 
@@ -130,8 +134,6 @@ def _store_kv_kernel(
     stride_kh,
     stride_vn,
     stride_vh,
-    stride_slot,
-    stride_ch,
     stride_sm,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -150,26 +152,21 @@ def _store_kv_kernel(
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(key_ptr + token * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask)
     v = tl.load(value_ptr + token * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask)
-    dst = slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
+    # The cache is contiguous (checked): a slot is NUM_KV_HEADS * HEAD_DIM elements, a known
+    # multiple, and the slot is int64, so pools past 2**31 elements do not wrap around.
+    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(k_cache_ptr + dst, k, mask)
     tl.store(v_cache_ptr + dst, v, mask)
 
 
-def store_kv(
+def check_store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into their cache slots.
-
-    ``key``/``value`` may be strided views (e.g. slices of a fused QKV projection) as long as
-    the last dimension is contiguous; the caches must be contiguous
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``. Slots equal to -1 are skipped. Slot
-    values are not range-checked (that would need a device sync every step): a slot outside
-    ``[0, num_blocks * block_size)`` is undefined behaviour, exactly as in vLLM.
-    """
+    """``store_kv``'s argument checks (see there); raises ValueError naming the problem."""
     what = "store_kv"
     _, _, num_kv_heads, head_dim = check_kv_caches(what, k_cache, v_cache)
     for name, t in (("key", key), ("value", value)):
@@ -195,9 +192,20 @@ def store_kv(
         raise ValueError(f"{what}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     check_dtype(_store_kv_kernel, what, k_cache.dtype)
     check_runnable(_store_kv_kernel, what, key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_launches(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[KernelLaunch, ...]:
+    """The launch that performs ``store_kv`` on checked arguments (none for no tokens)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens,)](
+        return ()
+    args = (
         key,
         value,
         k_cache,
@@ -207,11 +215,31 @@ def store_kv(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        k_cache.stride(1),
-        k_cache.stride(2),
         slot_mapping.stride(0),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
     )
+    constexprs = {
+        "NUM_KV_HEADS": num_kv_heads,
+        "HEAD_DIM": head_dim,
+        "BLOCK_H": next_power_of_2(num_kv_heads),
+        "BLOCK_D": next_power_of_2(head_dim),
+    }
+    return (KernelLaunch(_store_kv_kernel, (num_tokens,), args, constexprs, 4, 1),)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into their cache slots.
+
+    ``key``/``value`` may be strided views (e.g. slices of a fused QKV projection) as long as
+    the last dimension is contiguous; the caches must be contiguous
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``. Slots equal to -1 are skipped. Slot
+    values are not range-checked (that would need a device sync every step): a slot outside
+    ``[0, num_blocks * block_size)`` is undefined behaviour, exactly as in vLLM.
+    """
+    check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    run_launches(store_kv_launches(key, value, k_cache, v_cache, slot_mapping))

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from paged_engine.layers.attention import AttentionMetadata
+    from paged_engine.layers.attention.base import AttentionMetadata
 
 _current: AttentionMetadata | None = None
 

@@ -16,28 +16,44 @@ pass of the loaded model leaves (nano-vllm's approach).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from paged_engine.config import EngineConfig, openmp_waits_passively
 from paged_engine.engine.outputs import FailedSample, SampleOutput, TokenLogprobs
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.attention import (
+    Attention,
     AttentionBackend,
     AttentionMetadata,
+    HostMetadata,
+    HostStaging,
     get_attention_backend,
-    make_attention_metadata,
 )
 from paged_engine.layers.context import forward_context
 from paged_engine.layers.logprobs import prompt_logprobs, sampled_logprobs
+from paged_engine.layers.parallel import SINGLE, TPGroup, kv_head_split
 from paged_engine.layers.sampler import Sampler
 from paged_engine.sampling_params import SEED_MODULUS
 from paged_engine.utils.loader import load_model
 from paged_engine.utils.model_config import head_dim, load_config
+from paged_engine.worker.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    GraphCapture,
+    StaticDecodeBuffers,
+    capture_sizes,
+)
 from paged_engine.worker.kv_cache import KVCacheLayout, allocate_kv_cache, pool_size
+
+if TYPE_CHECKING:
+    from paged_engine.worker.tp_worker import WorkerGroup
 
 logger = logging.getLogger("paged_engine")
 
@@ -90,14 +106,25 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig, *, tp: TPGroup = SINGLE
+    ) -> None:
         """Everything that can be refused is refused before a weight is read or the model
         or pool allocated: the device, config.json (``load_config``), ``max_model_len``
         against the model's ``max_position_embeddings``, the attention backend, the pool
         size, then the checkpoint's files and tensors (by the loader). Only a pool sized
         from CUDA memory is checked after the weights load: its budget is what a warm-up
-        pass of the loaded model leaves."""
+        pass of the loaded model leaves.
+
+        With ``tp`` (rank ``r`` of ``N``, ``tp_worker.py``) the runner holds that rank's
+        shard of the model and of the KV heads, on ``cuda:r`` under CUDA; every rank runs
+        this constructor at the same time, as it agrees the pool size with the others."""
+        self.tp = tp
+        self.workers: WorkerGroup | None = None
+        """Rank 0's workers, when there are any (set by ``start_tensor_parallel``)."""
         self.device = resolve_device(config.device)
+        if tp.size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)
         path = Path(model_dir)
         self.hf_config = load_config(path)
         self._check_max_model_len(config, path)
@@ -106,19 +133,23 @@ class ModelRunner:
             config.dtype, self.device, getattr(self.hf_config, "dtype", None)
         )
         self.backend: AttentionBackend = get_attention_backend(
-            config.attention_backend, self.device, config.kvcache_block_size, self.dtype
+            config.attention_backend,
+            self.device,
+            config.kvcache_block_size,
+            self.dtype,
+            head_dim=head_dim(self.hf_config),
         )
         self.block_size = config.kvcache_block_size
         self.layout = KVCacheLayout(
             num_layers=int(self.hf_config.num_hidden_layers),
-            num_kv_heads=int(self.hf_config.num_key_value_heads),
+            num_kv_heads=kv_head_split(int(self.hf_config.num_key_value_heads), tp)[1],
             head_dim=head_dim(self.hf_config),
             block_size=self.block_size,
             dtype=self.dtype,
         )
         measured_pool = config.num_kvcache_blocks is None and self.device.type == "cuda"
         if not measured_pool:
-            self.num_kvcache_blocks = self._pool_size()
+            self.num_kvcache_blocks = self._agreed_pool_size()
         if config.num_threads is not None:  # process-wide: only once nothing is refused
             torch.set_num_threads(config.num_threads)
             logger.info(
@@ -127,7 +158,12 @@ class ModelRunner:
                 "passively" if openmp_waits_passively() else "actively: spins",
             )
         self.model, _ = load_model(
-            path, device=self.device, dtype=self.dtype, backend=self.backend, config=self.hf_config
+            path,
+            device=self.device,
+            dtype=self.dtype,
+            backend=self.backend,
+            config=self.hf_config,
+            tp=tp,
         )
         self.sampler = Sampler()
         self.eos_token_ids: tuple[int, ...] = ()  # min_tokens masks them (LLM sets them)
@@ -135,8 +171,9 @@ class ModelRunner:
         self.rng = torch.Generator(device=self.device).manual_seed(config.seed % SEED_MODULUS)
         self.kv_cache = torch.empty(0)  # the CUDA warm-up pass runs before the pool exists
         if measured_pool:
-            self.num_kvcache_blocks = self._pool_size()
+            self.num_kvcache_blocks = self._agreed_pool_size()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
+        self.decode_graphs = self._capture_decode_graphs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %d bytes per token, %.1f MiB, "
             "attention backend %s, %s on %s",
@@ -168,10 +205,32 @@ class ModelRunner:
         memory: that budget is measured with the loaded model."""
         return pool_size(self.config, self.layout, self.device, self._cuda_budget)
 
+    def _agreed_pool_size(self) -> int:
+        """``_pool_size``, the same on every rank: the minimum over the ranks, so that a
+        block id means the same block everywhere. CPU ranks share this machine's memory,
+        so there the pool is sized with the bytes all ranks together spend per block (the
+        same blocks per byte as one rank holding every KV head)."""
+        if self.tp.size == 1:
+            return self._pool_size()
+        from paged_engine.worker.distributed import agree_min
+
+        layout = self.layout
+        if self.device.type == "cpu":
+            layout = replace(layout, num_kv_heads=layout.num_kv_heads * self.tp.size)
+        blocks = pool_size(self.config, layout, self.device, self._cuda_budget)
+        return agree_min(blocks, self.device)
+
     def _cuda_budget(self) -> int:
-        """Bytes for the pool: the utilisation target minus a warm-up pass's peak."""
+        """Bytes for the pool: the utilisation target minus everything else a step can hold
+        at once (``StepMemory``): a warm-up prefill of ``max_num_batched_tokens`` tokens
+        (weights and activations), the Triton decode's largest split-K workspace, the
+        sampler over ``[max_num_seqs, vocab]`` float32 logits with every filter and
+        logprobs on, and, when decode will be captured, a decode pass at the largest
+        bucket (its activations stay in the graphs' memory pool)."""
+        dev = self.device
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(dev)
+        weights = torch.cuda.memory_allocated(dev)
         cfg = self.config
         n = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
         lens = []
@@ -182,11 +241,61 @@ class ModelRunner:
         for s in seqs:
             s.num_scheduled_tokens = len(s)
         self._forward(seqs, is_prefill=True)  # the cache is still empty: nothing is stored
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        return max(0, int(total * cfg.gpu_memory_utilization) - used_by_others - peak)
+        torch.cuda.synchronize(dev)
+        forward_peak = torch.cuda.max_memory_allocated(dev)
+        graphs = 0
+        if self._graphs_problem() is None:
+            graphs = _peak_of(dev, lambda: self._forward(_warmup_decode(self), is_prefill=False))
+        memory = StepMemory(
+            forward_peak=forward_peak,
+            weights=weights,
+            decode_workspace=self._decode_workspace_bytes(),
+            sampling=_peak_of(dev, lambda: self._sample_at_full_batch()),
+            graphs=graphs,
+        )
+        free, total = torch.cuda.mem_get_info(dev)
+        used_by_others = total - free - torch.cuda.memory_allocated(dev)
+        logger.info("CUDA memory besides the KV pool: %s", memory)
+        return max(0, int(total * cfg.gpu_memory_utilization) - used_by_others - memory.need)
+
+    def _decode_workspace_bytes(self) -> int:
+        """The Triton decode kernel's largest split-K partials over batches up to
+        ``max_num_seqs`` (other backends allocate none of their own here)."""
+        if self.backend.name != "triton":
+            return 0
+        from paged_engine.kernels.decode_plan import max_decode_workspace_bytes
+        from paged_engine.kernels.paged_decode_attention import sm_count
+
+        layer = next(m for m in self.model.modules() if isinstance(m, Attention))
+        return max_decode_workspace_bytes(
+            max_num_seqs=self.config.max_num_seqs,
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            block_size=self.block_size,
+            table_width=self.config.max_blocks_per_seq(),
+            dtype=self.dtype,
+            sm_count=sm_count(self.device),
+        )
+
+    @torch.inference_mode()
+    def _sample_at_full_batch(self) -> None:
+        """The sampling half of a step at its largest: ``max_num_seqs`` rows of logits,
+        sampled with temperature, top-k, top-p, min-p, a repetition penalty and logprobs
+        (the heaviest path), then their logprobs."""
+        from paged_engine.sampling_params import SamplingParams
+
+        n = self.config.max_num_seqs
+        hidden = torch.zeros(
+            n, int(self.hf_config.hidden_size), dtype=self.dtype, device=self.device
+        )
+        logits = self.model.compute_logits(hidden)
+        params = SamplingParams(
+            temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, logprobs=5
+        )
+        seqs = [Sequence([0, 1], sampling_params=params, block_size=self.block_size)] * n
+        tokens = self.sampler(logits, [params] * n, [None] * n, seqs, self.eos_token_ids)
+        sampled_logprobs(logits, [params.logprobs] * n, tokens)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         return allocate_kv_cache(self.model, self.layout, num_blocks, self.device)
@@ -225,15 +334,23 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(i)
         tables = [s.block_table for s in seqs] if self.kv_cache.numel() else []
-        dev = self.device
-        meta = make_attention_metadata(
-            query_lens, seq_lens, tables, self.block_size, dev, is_prefill=is_prefill
+        host = HostMetadata.build(query_lens, seq_lens, tables, self.block_size, is_prefill)
+        i64 = torch.int64
+        # One pinned, reused staging copy per dtype for the whole step (see HostStaging).
+        tensors = _host_staging(self).stage(
+            [
+                *host.arrays(),
+                (np.asarray(input_ids, dtype=np.int64), i64),
+                (np.asarray(positions, dtype=np.int64), i64),
+                (np.asarray(sample_rows, dtype=np.int64), i64),
+            ]
         )
+        ids, pos, rows = tensors[-3:]
         return Batch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=ids,
+            positions=pos,
+            meta=host.on_device(tensors[:-3]),
+            sample_rows=rows,
             sampling=tuple(sampling),
             prompt_spans=tuple(prompt_spans),
         )
@@ -245,8 +362,12 @@ class ModelRunner:
         """The batch, the logits of its sampling rows, and the prompt logprobs of each
         ``batch.prompt_spans`` entry (in that order)."""
         batch = self.prepare(seqs, is_prefill)
-        with forward_context(batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions)
+        graphs: DecodeGraphs | None = getattr(self, "decode_graphs", None)
+        hidden = None
+        if graphs is not None and not is_prefill:
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.meta)
+        if hidden is None:  # prefill, eager mode, or a batch past the largest graph
+            hidden = self._model_forward(batch.input_ids, batch.positions, batch.meta)
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         prompt = tuple(
             prompt_logprobs(
@@ -258,6 +379,53 @@ class ModelRunner:
             for i, row, q, count in batch.prompt_spans
         )
         return batch, logits, prompt
+
+    def _model_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        with forward_context(meta):
+            hidden: torch.Tensor = self.model(input_ids, positions)
+        return hidden
+
+    def _graphs_problem(self) -> str | None:
+        """Why decode steps run eagerly here, or None when they can be captured."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
+        if self.device.type != "cuda":
+            return f"CUDA graphs need CUDA; this device is {self.device.type}"
+        if not getattr(self.backend, "supports_cuda_graphs", False):
+            return f"the {self.backend.name} attention backend reads host data in decode"
+        if getattr(getattr(self, "tp", None), "size", 1) > 1:
+            return "tensor parallelism: the ranks' collectives are not captured"
+        return None
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self, capture: GraphCapture | None = None) -> DecodeGraphs | None:
+        """Capture decode for every bucket up to ``max_num_seqs`` (``cuda_graphs``), after
+        the KV pool exists (the graphs read it in place); None when decode runs eagerly.
+        ``capture`` replaces ``torch.cuda.CUDAGraph`` (tests run this on a CPU); it also
+        skips the device checks of ``_graphs_problem``, not ``enforce_eager``."""
+        problem = "enforce_eager=True" if self.config.enforce_eager else None
+        if capture is None:
+            problem = self._graphs_problem()
+            capture = CudaGraphCapture()
+        if problem is not None:
+            logger.info("decode runs eagerly: %s", problem)
+            return None
+        sizes = capture_sizes(self.config.max_num_seqs)
+        buffers = StaticDecodeBuffers.allocate(
+            sizes[-1], self.config.max_blocks_per_seq(), self.device
+        )
+        graphs = DecodeGraphs(
+            self._model_forward,
+            buffers,
+            sizes,
+            int(self.hf_config.hidden_size),
+            self.dtype,
+            capture,
+        )
+        logger.info("captured decode CUDA graphs for batch sizes %s", ", ".join(map(str, sizes)))
+        return graphs
 
     def run(
         self, seqs: list[Sequence], is_prefill: bool
@@ -271,7 +439,10 @@ class ModelRunner:
         result wrapped in a ``SampleOutput`` in every step, with the logprobs of its
         sampled token and of the prompt positions this step's rows predict (raw logprobs:
         the model's distribution before penalties, temperature or filters, as vLLM)."""
-        batch, logits, prompt = self._forward(seqs, is_prefill)
+        if self.workers is None:
+            batch, logits, prompt = self._forward(seqs, is_prefill)
+        else:  # hands the step to the other ranks, which run _forward with this one
+            batch, logits, prompt = self.workers.forward(self._forward, seqs, is_prefill)
         results: dict[int, int | FailedSample] = {}
         logprobs: dict[int, TokenLogprobs] = {}
         if batch.sampling:
@@ -294,6 +465,11 @@ class ModelRunner:
                 out.append(SampleOutput(results.get(i), logprobs.get(i), prompt_of.get(i, ())))
         return out
 
+    def run_worker(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """A worker rank's step: the forward pass rank 0 runs in ``run`` (the same
+        collectives, in the same order), with nothing sampled and nothing returned."""
+        self._forward(seqs, is_prefill)
+
     @staticmethod
     def _failure(seq: Sequence) -> FailedSample:
         return FailedSample(
@@ -315,3 +491,56 @@ class ModelRunner:
             return self.rng
         g = torch.Generator(device=self.device)
         return g.manual_seed((params.seed * 1_000_003 + seq.num_tokens) % SEED_MODULUS)
+
+
+def _host_staging(runner: ModelRunner) -> HostStaging:
+    """The runner's pinned staging buffers, made on first use (``prepare`` also runs on
+    stand-ins that carry only ``device``, ``block_size`` and ``kv_cache``)."""
+    staging: HostStaging | None = getattr(runner, "_staging", None)
+    if staging is None:
+        staging = HostStaging(runner.device)
+        setattr(runner, "_staging", staging)  # noqa: B010 (stand-ins have no such attribute)
+    return staging
+
+
+@dataclass(frozen=True, slots=True)
+class StepMemory:
+    """What a step can hold on a CUDA device besides the KV pool, in bytes.
+
+    ``forward_peak`` is absolute (the weights included); the rest are measured or computed
+    on their own. The forward pass's activations and the split-K partials coexist (the
+    partials live during one layer's attention); the sampler runs after the activations
+    are freed, with the weights still there; captured graphs keep their pool for good.
+    """
+
+    forward_peak: int
+    weights: int
+    decode_workspace: int
+    sampling: int
+    graphs: int
+
+    @property
+    def need(self) -> int:
+        during_forward = self.forward_peak + self.decode_workspace
+        during_sampling = self.weights + self.sampling
+        return max(during_forward, during_sampling) + self.graphs
+
+
+def _peak_of(device: torch.device, fn: Callable[[], object]) -> int:
+    """Bytes ``fn`` allocates at its peak beyond what was allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - before)
+
+
+def _warmup_decode(runner: ModelRunner) -> list[Sequence]:
+    """A decode batch of the largest captured size over one-token contexts (the cache is
+    still empty, so the pass attends over each row alone: the activations' shape)."""
+    bucket = capture_sizes(runner.config.max_num_seqs)[-1]
+    seqs = [Sequence([0], block_size=runner.block_size) for _ in range(bucket)]
+    for s in seqs:
+        s.num_scheduled_tokens = 1
+    return seqs

@@ -3,30 +3,20 @@
 A decode step (one new token per sequence), which is most of a generation's steps, runs
 ``paged_decode_attention_cpu``: each context read once, straight from the paged pool, with
 an online softmax, instead of torch's gather-then-attend. Everything else (prefill, a
-cache-less warm-up, a dtype the kernel lacks) is the torch backend's path, unchanged.
+cache-less warm-up, a dtype or head layout the kernel lacks) is the torch backend's path,
+unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 
-from paged_engine.kernels.paged_decode_cpu import (
-    cpu_kernels_problem,
-    geometry_problem,
-    paged_decode_attention_cpu,
-)
-from paged_engine.layers.attention import AttentionMetadata, TorchAttentionBackend
+from paged_engine.kernels.paged_decode_cpu import geometry_problem, paged_decode_attention_cpu
+from paged_engine.layers.attention.base import AttentionMetadata
+from paged_engine.layers.attention.requirements import cpu_problem
+from paged_engine.layers.attention.torch_backend import TorchAttentionBackend
 
-__all__ = ["CpuAttentionBackend", "cpu_backend_problem"]
-
-
-def cpu_backend_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the CPU backend cannot run here, or None when it can."""
-    if device.type != "cpu":
-        return f"the CPU attention backend runs on the CPU; this device is {device.type}"
-    if dtype != torch.float32:
-        return f"the CPU decode kernel is float32 only; got {dtype}"
-    return cpu_kernels_problem()
+__all__ = ["CpuAttentionBackend"]
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -40,11 +30,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self, block_size: int | None = None, dtype: torch.dtype | None = None) -> None:
-        problem = cpu_backend_problem(torch.device("cpu"), dtype or torch.float32)
+        problem = cpu_problem(torch.device("cpu"), block_size or 1, dtype or torch.float32)
         if problem is not None:
             raise ValueError(f"CpuAttentionBackend: {problem}")
         super().__init__(block_size, dtype, shared_prefix_min_tokens=None)
-        self._decode = paged_decode_attention_cpu  # an attribute: tests swap in mutants
+        self._decode = paged_decode_attention_cpu  # an attribute: tests count its calls
 
     def attend(
         self,

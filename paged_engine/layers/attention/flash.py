@@ -10,9 +10,8 @@
   over the step's own K/V, which skips the block-table indirection.
 
 flash-attn is optional and CUDA-only, so it is imported in the constructor, which refuses
-(with the reason) any configuration flash-attn cannot run: no CUDA, a block size that is not a
-multiple of 256 (its paged-cache requirement), a dtype other than float16/bfloat16, or the
-package missing.
+with ``requirements.flash_attn_problem``'s reason any configuration flash-attn cannot run
+(the same function "auto" consults before falling back to Triton).
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from collections.abc import Callable
 
 import torch
 
-from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.layers.attention_kernel import KernelAttentionBackend, cache_is_empty
+from paged_engine.layers.attention.base import AttentionMetadata
+from paged_engine.layers.attention.kernel_base import KernelAttentionBackend, cache_is_empty
+from paged_engine.layers.attention.requirements import flash_attn_problem
 
-FLASH_BLOCK_MULTIPLE = 256
-"""flash-attn's paged KV cache needs ``page_block_size % 256 == 0``."""
+__all__ = ["FlashAttnBackend"]
 
 
 class FlashAttnBackend(KernelAttentionBackend):
@@ -33,16 +32,17 @@ class FlashAttnBackend(KernelAttentionBackend):
 
     name = "flash-attn"
 
-    def __init__(self, block_size: int, dtype: torch.dtype) -> None:
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"FlashAttnBackend: flash-attn supports float16/bfloat16, not {dtype}")
-        if not isinstance(block_size, int) or block_size <= 0 or block_size % FLASH_BLOCK_MULTIPLE:
-            raise ValueError(
-                f"FlashAttnBackend: flash-attn's paged KV cache needs block_size to be a positive "
-                f"multiple of {FLASH_BLOCK_MULTIPLE}, got {block_size!r}"
-            )
-        if not torch.cuda.is_available():
-            raise ValueError("FlashAttnBackend: flash-attn needs a CUDA device; none is available")
+    def __init__(
+        self,
+        block_size: int,
+        dtype: torch.dtype,
+        *,
+        head_dim: int | None = None,
+        device: torch.device | str = "cuda",
+    ) -> None:
+        problem = flash_attn_problem(torch.device(device), block_size, dtype, head_dim)
+        if problem is not None:
+            raise ValueError(f"FlashAttnBackend: {problem}")
         try:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except ImportError as exc:
