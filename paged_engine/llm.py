@@ -2,14 +2,20 @@
 
 ``LLM(model).generate(prompts, sampling_params)`` and ``LLM.chat(messages)``, with vLLM's
 argument names, so that porting a script is a matter of changing the import.
+
+With ``tensor_parallel_size=N`` the model is sharded over ``N`` ranks: this process and
+``N - 1`` spawned workers (``worker/tp_worker.py``). ``close()``, a ``with`` block, garbage
+collection or interpreter exit ends them.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
+from types import TracebackType
 from typing import Any, cast
 
 from paged_engine.config import EngineConfig
@@ -25,7 +31,6 @@ _ALIASES = {"block_size": "kvcache_block_size"}
 """vLLM's names for our fields."""
 
 _NOT_HERE = {
-    "tensor_parallel_size": "tensor parallelism is not built yet: use 1",
     "pipeline_parallel_size": "pipeline parallelism is not supported: use 1",
 }
 
@@ -84,6 +89,12 @@ class LLM:
     ``EngineConfig``'s default capped at that. ``self.config`` holds the values the engine
     runs with. Generation stops at every eos id: generation_config.json's (as transformers'
     ``generate``), else config.json's, else the tokenizer's.
+
+    ``tensor_parallel_size=N`` starts ``N - 1`` worker processes (refused first when the
+    model's heads, KV heads, intermediate size or vocabulary do not divide by ``N``).
+    Call ``close()`` or use ``with LLM(...) as llm:`` to end them; they also end when the
+    ``LLM`` is garbage collected or the interpreter exits. A worker that fails makes the
+    step raise (``WorkerError``) and closes the ``LLM``.
     """
 
     def __init__(
@@ -102,17 +113,51 @@ class LLM:
         eos = eos_token_ids(model_dir, hf_config)
         if eos is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (int(self.tokenizer.eos_token_id),)
-        self.model_runner = ModelRunner(model_dir, engine_config)
+        self._closed = False
+        if engine_config.tensor_parallel_size == 1:
+            self.model_runner = ModelRunner(model_dir, engine_config)
+        else:
+            from paged_engine.worker.tp_worker import start_tensor_parallel
+
+            self.model_runner = start_tensor_parallel(model_dir, engine_config)
+        workers = self.model_runner.workers
+        self._finalizer = weakref.finalize(self, workers.close) if workers else None
         self.model_runner.eos_token_ids = tuple(eos or ())
         self.config = self.model_runner.config
-        self.llm_engine = LLMEngine(
-            self.model_runner,
-            self.config,
-            vocab_size=int(self.model_runner.hf_config.vocab_size),
-            num_kvcache_blocks=self.model_runner.num_kvcache_blocks,
-            eos_token_id=eos,
-            tokenizer=cast(Tokenizer | None, self.tokenizer),
-        )
+        try:
+            self.llm_engine = LLMEngine(
+                self.model_runner,
+                self.config,
+                vocab_size=int(self.model_runner.hf_config.vocab_size),
+                num_kvcache_blocks=self.model_runner.num_kvcache_blocks,
+                eos_token_id=eos,
+                tokenizer=cast(Tokenizer | None, self.tokenizer),
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End the tensor-parallel workers (if any); afterwards ``generate`` and ``chat``
+        raise. Idempotent."""
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
 
     @property
     def engine(self) -> LLMEngine:
@@ -131,6 +176,7 @@ class LLM:
         ``SamplingParams`` or a list of them (default: ``SamplingParams()``). Outputs in
         input order. Every request is validated before any runs; see
         ``LLMEngine.generate`` for what happens when a step fails."""
+        self._check_open()
         return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat(

@@ -2,7 +2,8 @@
 # GPU check: on one CUDA machine with no network, run the offline kernel compile check
 # (scripts/compile_kernels.py, as `tox -e compile`), the GPU tests (`pytest -m gpu`, the same
 # tests as `tox -e gpu`: compiled Triton and flash-attn against the oracle machine, CUDA
-# graphs against eager decode) and the GPU benchmarks (bench/test_gpu_bench.py), and write a
+# graphs against eager decode, NCCL TP=2 against TP=1 when the machine has two devices, else
+# reported as "skipped: 1 device") and the GPU benchmarks (bench/test_gpu_bench.py), and write a
 # short report: passed/failed, decode-attention bandwidth, end-to-end tokens/s.
 #
 #   scripts/gpu-check.sh            # report in $OUT/gpu-report.md, else ./gpu-report.md
@@ -214,6 +215,21 @@ fi
 
 # ---- 3. the report -------------------------------------------------------------------------
 
+# tp_outcome LOG: the NCCL TP=2 test's verdict from the tests phase's log: it runs when the
+# machine has two CUDA devices, and skips otherwise with the reason "skipped: 1 device".
+tp_outcome() {
+    local line
+    line="$(grep -E '^tests/test_tp\.py::test_nccl_tp2[^ ]* ' "$1" 2>/dev/null | head -1)"
+    case "$line" in
+    *" PASSED"*) echo "passed: TP=2 over NCCL is token-identical to TP=1" ;;
+    *" SKIPPED"*) # the reason, from -ra's summary (-v cuts it to the line's width)
+        grep -m1 -oE 'skipped: [0-9]+ devices?' <(grep -E '^SKIPPED .*NCCL TP=2' "$1") ||
+            echo "skipped" ;;
+    *" FAILED"* | *" ERROR"*) echo "FAILED: see gpu-logs/tests.log" ;;
+    *) echo "not run" ;;
+    esac
+}
+
 tests_ok=0
 if [[ "${STATUS[tests]}" == ok* ]] && [[ "${STATUS[compile]}" == ok ]] &&
     (($(outcome tests FAILED) + $(outcome tests ERROR) == 0)); then
@@ -259,6 +275,10 @@ fi
             echo '```'
         fi
     fi
+    echo
+    echo "## Tensor parallelism (NCCL TP=2, \`tests/test_tp.py\`, in the tests above)"
+    echo
+    echo "$(tp_outcome "$LOGS/tests.log")"
     echo
     echo "## Offline kernel compiles (\`scripts/compile_kernels.py\`)"
     echo

@@ -209,6 +209,7 @@ ENGINE_DEFAULTS = {
     "--gpu-memory-utilization": "0.9",
     "--seed": "0",
     "--threads": "auto",
+    "--tensor-parallel-size": "1",
 }
 HELP_DEFAULTS = {
     "generate": {

@@ -145,10 +145,18 @@ class Sequence:
         self.last_token = token_id
         self.num_tokens += 1
 
-    # Pickling for workers (seed §3.1): while decoding a worker needs the counters, the
-    # block table and the last token, not thousands of token ids. Nor the cache salt:
-    # only the allocator hashes, and it runs in the engine process, never in a worker.
     def __getstate__(self) -> tuple[Any, ...]:
+        """The compact state a tensor-parallel worker receives each step (seed §3.1):
+        the counters and the block table, plus every token id while prefilling (the
+        worker embeds the scheduled ones) but only ``last_token`` while decoding, so a
+        decode step's hand-off does not grow with the sequence (tests/test_tp_handoff.py).
+
+        Dropped on purpose: ``sampling_params``, because sampling happens on rank 0 only
+        (the worker-side sequence gets default params; the one thing a worker's forward
+        pass reads from them, which prompt rows become logits for ``prompt_logprobs``,
+        travels beside the sequences in ``worker/handoff.StepMessage``); and
+        ``cache_salt``, hashes and the prefix-hit count, because only the allocator reads
+        them, and it runs on rank 0, never in a worker."""
         last: int | list[int] = self.token_ids if self.is_prefill else self.last_token
         return (
             self.seq_id,

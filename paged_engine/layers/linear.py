@@ -4,7 +4,13 @@ Hugging Face checkpoints store ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj`
 as separate matrices; running them as one fused matmul saves kernel launches and reads the
 input once. Each parameter carries a ``weight_loader(param, loaded_weight, shard_id)`` that
 knows where a checkpoint shard lands in the fused matrix, so the loader never needs to know
-the layout. Single device: no tensor parallelism.
+the layout.
+
+The tensor-parallel variants (``ColumnParallel``'s two fused forms and ``RowParallelLinear``,
+rules in ``parallel.py``) hold one rank's slice. Their parameters also carry
+``checkpoint_slice(shard_id, shape)``: the index of that slice in the checkpoint tensor,
+so the loader reads only those bytes (safetensors ``get_slice``); None at one rank, where
+the whole tensor is read as before. With a group of one they are the plain layers.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.layers.parallel import SINGLE, TPGroup, kv_head_split, split
+
 ShardId = str | int | None
+Index = tuple[slice, ...]
 
 
 def _check_shape(param_part: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -97,3 +106,92 @@ class QKVLinear(Linear):
             raise ValueError(f"QKVLinear has shards 'q', 'k', 'v', not {shard_id!r}")
         start = starts[shard_id]
         return start, start + (self.q_size if shard_id == "q" else self.kv_size)
+
+
+# ---- tensor-parallel variants --------------------------------------------------------------
+
+
+def _rows(full: int, shape: tuple[int, ...], first: int, count: int) -> Index:
+    """Rows ``[first, first + count)`` of a checkpoint tensor with ``full`` rows."""
+    if shape[0] != full:
+        raise ValueError(f"expected {full} rows, got shape {shape}")
+    return (slice(first, first + count),)
+
+
+class QKVParallelLinear(QKVLinear):
+    """This rank's query heads and KV heads (split or replicated: ``kv_head_split``),
+    stacked ``[q | k | v]`` like ``QKVLinear``; the bias (if any) is sliced the same way."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TPGroup = SINGLE,
+    ) -> None:
+        q_first, q_count = split(num_heads, tp)
+        kv_first, kv_count = kv_head_split(num_kv_heads, tp)
+        super().__init__(hidden_size, head_dim, q_count, kv_count, bias)
+        self.tp = tp
+        d = head_dim
+        self._full = {"q": (q_first * d, num_heads * d), "k": (kv_first * d, num_kv_heads * d)}
+        self._full["v"] = self._full["k"]
+        for p in self.parameters():
+            p.checkpoint_slice = self.checkpoint_slice  # type: ignore[attr-defined]
+
+    def checkpoint_slice(self, shard_id: ShardId, shape: tuple[int, ...]) -> Index | None:
+        if self.tp.size == 1:
+            return None
+        start, end = self.shard_range(shard_id)  # refuses an unknown shard
+        first, full = self._full[str(shard_id)]
+        return _rows(full, shape, first, end - start)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """This rank's ``1/N`` of each stacked output (gate_up: of each of gate and up)."""
+
+    def __init__(
+        self, input_size: int, output_sizes: Sequence[int], bias: bool = False, tp: TPGroup = SINGLE
+    ) -> None:
+        super().__init__(input_size, [split(n, tp)[1] for n in output_sizes], bias)
+        self.tp = tp
+        self.full_sizes = tuple(output_sizes)
+        for p in self.parameters():
+            p.checkpoint_slice = self.checkpoint_slice  # type: ignore[attr-defined]
+
+    def checkpoint_slice(self, shard_id: ShardId, shape: tuple[int, ...]) -> Index | None:
+        if self.tp.size == 1:
+            return None
+        self.shard_range(shard_id)  # refuses an unknown shard
+        full = self.full_sizes[int(shard_id)]  # type: ignore[arg-type]
+        return _rows(full, shape, *split(full, self.tp))
+
+
+class RowParallelLinear(Linear):
+    """``x W^T``, ``x`` holding this rank's ``1/N`` of the input features and ``W`` the
+    matching columns; the ranks' partial products are summed by one all-reduce, then
+    the (replicated) bias is added once."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE
+    ) -> None:
+        self.first_input, count = split(input_size, tp)
+        super().__init__(count, output_size, bias)
+        self.tp = tp
+        self.full_input_size = input_size
+        self.weight.checkpoint_slice = self.checkpoint_slice  # type: ignore[attr-defined]
+
+    def checkpoint_slice(self, shard_id: ShardId, shape: tuple[int, ...]) -> Index | None:
+        if self.tp.size == 1:
+            return None
+        if len(shape) != 2 or shape[1] != self.full_input_size:
+            raise ValueError(f"expected {self.full_input_size} columns, got shape {shape}")
+        return (slice(None), slice(self.first_input, self.first_input + self.input_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -4,6 +4,10 @@ Parameter names match Hugging Face checkpoints except for the fused projections
 (``qkv_proj``, ``gate_up_proj``); ``PACKED_MODULES_MAPPING`` tells the loader which
 checkpoint tensors fill which shard of them. Ops run in transformers' order (q/k RMSNorm
 per head *before* rotary, residual adds in the model dtype) so float32 logits match it.
+
+Built with a ``TPGroup`` of ``N`` ranks, the model is one rank's shard (``layers/parallel.py``:
+column-parallel QKV and gate_up, row-parallel o_proj and down with their all-reduces, a
+vocabulary-parallel embedding and LM head); without one it is the single-device model.
 """
 
 from __future__ import annotations
@@ -17,9 +21,14 @@ from torch import nn
 
 from paged_engine.layers.activation import SiluAndMul
 from paged_engine.layers.attention import Attention, AttentionBackend
-from paged_engine.layers.embed_head import LMHead, VocabEmbedding
+from paged_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from paged_engine.layers.layernorm import RMSNorm, rms_norm
-from paged_engine.layers.linear import Linear, MergedLinear, QKVLinear
+from paged_engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from paged_engine.layers.parallel import SINGLE, TPGroup, check_divisible, kv_head_split
 from paged_engine.layers.rotary import RotaryEmbedding, rope_spec_from_config
 
 PACKED_MODULES_MAPPING: Mapping[str, tuple[str, str | int]] = MappingProxyType(
@@ -62,17 +71,22 @@ class Qwen3Attention(nn.Module):
     """qkv projection → per-head q/k RMSNorm → rotary → paged attention → o projection."""
 
     def __init__(
-        self, config: Any, backend: AttentionBackend, rotary: RotaryEmbedding | None = None
+        self,
+        config: Any,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = heads // tp.size  # this rank's heads
+        self.num_kv_heads = kv_head_split(kv_heads, tp)[1]
         self.head_dim = _head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, heads, kv_heads, bias=bias, tp=tp
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias, tp)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         # The model passes one instance to all its layers: it makes a step's cos/sin once.
@@ -99,11 +113,11 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size])
-        self.down_proj = Linear(size, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], tp=tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, tp=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,11 +129,15 @@ class Qwen3DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual stream rides the fused norms."""
 
     def __init__(
-        self, config: Any, backend: AttentionBackend, rotary: RotaryEmbedding | None = None
+        self,
+        config: Any,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, backend, rotary)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = Qwen3Attention(config, backend, rotary, tp)
+        self.mlp = Qwen3MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -140,12 +158,15 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     """Embedding, decoder stack, final norm: packed tokens in, hidden states out."""
 
-    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary = RotaryEmbedding(_head_dim(config), rope_spec_from_config(config))
         self.layers = nn.ModuleList(
-            [Qwen3DecoderLayer(config, backend, rotary) for _ in range(config.num_hidden_layers)]
+            [
+                Qwen3DecoderLayer(config, backend, rotary, tp)
+                for _ in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -162,16 +183,19 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """The whole model. Attention metadata comes from ``forward_context``, not arguments."""
+    """The whole model (one rank's shard of it with ``tp``). Attention metadata comes from
+    ``forward_context``, not arguments."""
 
-    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, backend: AttentionBackend, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         check_supported_config(config)
+        check_divisible(config, tp.size)
         self.config = config
+        self.tp = tp
         self.packed_modules_mapping = PACKED_MODULES_MAPPING
-        self.model = Qwen3Model(config, backend)
+        self.model = Qwen3Model(config, backend, tp)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids``/``positions`` ``[N]`` (the batch's packed tokens) → ``[N, hidden]``."""
@@ -179,6 +203,7 @@ class Qwen3ForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[B, hidden]`` (usually each sequence's last token) → ``[B, vocab]``."""
+        """``[B, hidden]`` (usually each sequence's last token) → ``[B, vocab]`` (on the
+        ranks other than 0: uninitialised, see ``ParallelLMHead``)."""
         logits: torch.Tensor = self.lm_head(hidden)
         return logits

@@ -5,6 +5,11 @@ the directory and config.json (``model_config.load_config``), the shard files, a
 tensor's name and shape (read from the safetensors headers and checked against a model
 built on the meta device). Only then is the model allocated on the target device and the
 data copied in.
+
+Under tensor parallelism each rank reads only its slices: a parameter that carries
+``checkpoint_slice`` (``layers/linear.py``, ``layers/embed_head.py``) names the part of
+the checkpoint tensor it holds, and only that part is read (safetensors ``get_slice``,
+which reads the bytes of the slice from the file, never the whole tensor).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from paged_engine.layers.parallel import SINGLE, TPGroup
 from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3ForCausalLM
 from paged_engine.utils.model_config import load_config, read_json_object
 
@@ -116,6 +122,15 @@ def _is_ignorable(name: str, tied: bool) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
 
+def _checkpoint_index(
+    param: torch.nn.Parameter, shard_id: Any, shape: tuple[int, ...]
+) -> tuple[slice, ...] | None:
+    """The part of a checkpoint tensor of ``shape`` that ``param`` holds (None: all of
+    it). Raises ValueError when the checkpoint's shape cannot be sliced as expected."""
+    slicer = getattr(param, "checkpoint_slice", None)
+    return None if slicer is None else slicer(shard_id, tuple(shape))
+
+
 def _load_tensor(param: torch.nn.Parameter, tensor: torch.Tensor, shard_id: Any) -> None:
     loader = getattr(param, "weight_loader", None)
     if loader is not None:
@@ -144,8 +159,10 @@ def _validate(
     for name in expected:
         target = _target(name)
         fake = torch.empty(shapes[name][0], device="meta")
+        param = params[target.param_name]
         try:
-            _load_tensor(params[target.param_name], fake, target.shard_id)
+            index = _checkpoint_index(param, target.shard_id, shapes[name][0])
+            _load_tensor(param, fake if index is None else fake[index], target.shard_id)
         except ValueError as err:
             raise ValueError(f"tensor {name} (in {shapes[name][1].name}): {err}") from None
 
@@ -167,8 +184,10 @@ def load_model(
     dtype: torch.dtype,
     backend: AttentionBackend,
     config: PretrainedConfig | None = None,
+    tp: TPGroup = SINGLE,
 ) -> tuple[Qwen3ForCausalLM, PretrainedConfig]:
-    """Validate the checkpoint fully, then build the model on ``device`` in ``dtype``.
+    """Validate the checkpoint fully, then build the model on ``device`` in ``dtype``
+    (rank ``tp.rank``'s shard of it, reading only that rank's slices).
 
     ``config`` is the directory's config as ``load_config`` returned it (read and
     validated here when None). Raises FileNotFoundError (directory, config.json, shard or
@@ -183,11 +202,11 @@ def load_model(
     shapes = _checkpoint_shapes(files)
     tied = bool(config.tie_word_embeddings)
     with torch.device("meta"):
-        meta_model = Qwen3ForCausalLM(config, backend)
+        meta_model = Qwen3ForCausalLM(config, backend, tp)
     _validate(meta_model, shapes, tied, path)
 
     with _default_dtype(dtype), torch.device(device):
-        model = Qwen3ForCausalLM(config, backend)
+        model = Qwen3ForCausalLM(config, backend, tp)
     params = dict(model.named_parameters())
     expected = _expected_names(model)
     for path_ in files:
@@ -196,7 +215,10 @@ def load_model(
                 if name not in expected:
                     continue
                 target = _target(name)
-                _load_tensor(params[target.param_name], f.get_tensor(name), target.shard_id)
+                param = params[target.param_name]
+                index = _checkpoint_index(param, target.shard_id, shapes[name][0])
+                tensor = f.get_tensor(name) if index is None else f.get_slice(name)[index]
+                _load_tensor(param, tensor, target.shard_id)
     return model.eval(), config
 
 

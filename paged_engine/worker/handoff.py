@@ -1,0 +1,185 @@
+"""The step hand-off (seed §3.1): rank 0 schedules, and each step sends the scheduled
+sequences to the other ranks, pickled compactly (``Sequence.__getstate__``: a prefilling
+sequence carries its token ids; a decoding one only its counters, ``block_table`` and
+``last_token``).
+
+Two transports with one interface, ``send(message)`` on rank 0 and ``receive()`` on the
+workers:
+
+* ``ShmChannel`` (the default, the seed's): the pickle goes into a shared-memory segment
+  and one semaphore per worker (``multiprocessing.Semaphore(0)``, released once per
+  message) says a step is there. Not a ``multiprocessing.Event``: its ``set()`` waits for
+  every sleeping waiter to acknowledge, so a worker killed while it waits would hang
+  rank 0 in ``set()`` for ever; a release never waits. A worker waits on its semaphore
+  with a timeout and checks that its parent is alive, so an idle worker costs nothing
+  and never outlives the engine. No barrier is needed before the next write:
+  rank 0 writes step ``k + 1`` only after step ``k``'s collectives, which every worker
+  joins only after it has read step ``k``. The segment starts at 1 MiB (nano-vllm's size)
+  and is replaced by a larger one when a message does not fit (the old segment then
+  carries a ``_Moved`` note).
+* ``BroadcastChannel``: ``torch.distributed.broadcast_object_list``, the alternative the
+  issue asks to measure. An idle worker waits inside a collective, so it is bound by the
+  process group's timeout.
+
+``bench/test_tp_bench.py`` measures both in the engine's step, ``bench/test_tp_costs_bench.py``
+alone; the shared-memory channel is kept (figures there and in the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, cast
+
+import torch.distributed as dist
+
+from paged_engine.engine.sequence import Sequence
+from paged_engine.sampling_params import SamplingParams
+
+INITIAL_SEGMENT_BYTES = 1 << 20
+_HEADER = 8  # little-endian payload length
+WAIT_POLL_S = 1.0
+"""How often an idle worker checks that rank 0 is still alive."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepMessage:
+    """One step for the workers. ``prompt_logprobs``: ``(index, k)`` of each prefilling
+    sequence that asks for prompt logprobs. The sequences' sampling params stay behind
+    (workers never sample), but the rows a runner turns into logits for prompt logprobs
+    depend on them, and every rank must make the same LM-head gathers."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    prompt_logprobs: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], is_prefill: bool) -> StepMessage:
+        asked: tuple[tuple[int, int], ...] = ()
+        if is_prefill:
+            asked = tuple(
+                (i, k)
+                for i, s in enumerate(seqs)
+                if (k := s.sampling_params.prompt_logprobs) is not None
+            )
+        return cls(seqs, is_prefill, asked)
+
+    def restore(self) -> list[Sequence]:
+        """The worker-side sequences, with the prompt-logprob requests put back."""
+        for i, k in self.prompt_logprobs:
+            self.seqs[i].sampling_params = SamplingParams(prompt_logprobs=k)
+        return self.seqs
+
+
+Message = StepMessage | None
+"""None tells the workers to exit."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Moved:
+    """The message is in the (larger) segment ``name``."""
+
+    name: str
+
+
+def encode(message: Message | _Moved) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class ShmChannel:
+    """Rank 0's side of the shared-memory hand-off (see the module docstring)."""
+
+    def __init__(self, signals: list[Any], size: int = INITIAL_SEGMENT_BYTES) -> None:
+        self.signals = signals
+        self.segment = SharedMemory(create=True, size=size)
+        self._retired: list[SharedMemory] = []
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def send(self, message: Message) -> int:
+        """Write ``message`` and wake every worker; returns the bytes written."""
+        self._drop_retired()  # the workers have read them: a step ran since
+        data = encode(message)
+        target = self.segment
+        if _HEADER + len(data) > target.size:
+            bigger = SharedMemory(create=True, size=2 * (_HEADER + len(data)))
+            _write(bigger, data)
+            data = encode(_Moved(bigger.name))
+            self._retired.append(self.segment)
+            self.segment = bigger
+        _write(target, data)
+        for s in self.signals:
+            s.release()
+        return len(data)
+
+    def _drop_retired(self) -> None:
+        for seg in self._retired:
+            _unlink(seg)
+        self._retired.clear()
+
+    def close(self) -> None:
+        self._drop_retired()
+        _unlink(self.segment)
+
+
+def _write(segment: SharedMemory, data: bytes) -> None:
+    buf = cast(memoryview, segment.buf)
+    buf[:_HEADER] = len(data).to_bytes(_HEADER, "little")
+    buf[_HEADER : _HEADER + len(data)] = data
+
+
+def _unlink(segment: SharedMemory) -> None:
+    segment.close()
+    with contextlib.suppress(FileNotFoundError):  # already gone
+        segment.unlink()
+
+
+class ShmReader:
+    """A worker's side of the shared-memory hand-off."""
+
+    def __init__(self, name: str, signal: Any, parent_alive: Callable[[], bool]) -> None:
+        self.segment = SharedMemory(name=name)
+        self.signal = signal
+        self.parent_alive = parent_alive
+
+    def receive(self) -> Message:
+        """The next message; None (exit) also when rank 0 has died."""
+        while not self.signal.acquire(timeout=WAIT_POLL_S):
+            if not self.parent_alive():
+                return None
+        message = self._read(self.segment)
+        if isinstance(message, _Moved):
+            self.segment.close()
+            self.segment = SharedMemory(name=message.name)
+            message = self._read(self.segment)
+        return message  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _read(segment: SharedMemory) -> Any:
+        buf = cast(memoryview, segment.buf)
+        n = int.from_bytes(buf[:_HEADER], "little")
+        return pickle.loads(buf[_HEADER : _HEADER + n])
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+class BroadcastChannel:
+    """Both sides of the ``broadcast_object_list`` hand-off."""
+
+    def send(self, message: Message) -> int:
+        dist.broadcast_object_list([message], src=0)
+        return len(encode(message))
+
+    def receive(self) -> Message:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        return None
