@@ -148,6 +148,7 @@ def engine_kwargs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         (["--threads", "3"], {"num_threads": 3}),
         (["--seed", "5"], {"seed": 5}),
         (["--prefix-cache-hash", "sha256"], {"prefix_cache_hash": "sha256"}),
+        (["--enforce-eager"], {"enforce_eager": True}),
         (["--gpu-memory-utilization", "0.5", "--dtype", "float32"], {"dtype": "float32"}),
     ],
 )
@@ -210,6 +211,7 @@ ENGINE_DEFAULTS = {
     "--seed": "0",
     "--threads": "auto",
     "--tensor-parallel-size": "1",
+    "--enforce-eager": "False",
 }
 HELP_DEFAULTS = {
     "generate": {

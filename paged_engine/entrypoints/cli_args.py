@@ -34,6 +34,7 @@ ENGINE_FLAGS: dict[str, str] = {
     "seed": "--seed",
     "num_threads": "--threads",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "enforce_eager": "--enforce-eager",
 }
 """The flag of each EngineConfig field the CLI sets (its argparse dest is the flag's name
 in snake case); errors name the flag."""
@@ -149,6 +150,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="shard the model over N ranks (N - 1 worker processes), one device each",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode eagerly instead of replaying CUDA graphs (CUDA only; eager elsewhere)",
     )
 
 
