@@ -1,6 +1,10 @@
 /*
- * Paged decode attention on the CPU, float32: one new token per sequence attends over its
- * whole context, read block by block through its block table. The readable reference is
+ * Paged decode attention on the CPU, float32 and bfloat16: one new token per sequence attends
+ * over its whole context, read block by block through its block table. The kernel is written
+ * once, in paged_decode_head.h, and instantiated here for float32 and in paged_decode_bf16.c
+ * for bfloat16 (float32 arithmetic throughout; AVX512-BF16 dot products where the CPU has
+ * them, chosen when the module loads). This file parses, validates and dispatches. The
+ * readable reference is
  * paged_engine.kernels.paged_decode_attention.paged_decode_attention_ref; the launcher that
  * checks shapes, strides and dtypes is paged_engine.kernels.paged_decode_cpu.
  *
@@ -30,88 +34,8 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-#define MAX_GROUP 16
-#define MAX_DIM 256
-/* Tokens scored before each online-softmax update: at most this many, and never past the
- * end of a block (so with small blocks the accumulator is rescaled once per block). */
-#define CHUNK 32
-
-typedef struct {
-    const float *q;
-    const float *k;
-    const float *v;
-    const int32_t *tables;
-    const int32_t *lens;
-    float *out;
-    int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
-    int batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks;
-    float scale;
-} Args;
-
-/* One (sequence, kv head): its G query heads against the whole context. D is a constant
- * in the specialised copies below, which lets the compiler unroll and vectorise the dots. */
-static inline __attribute__((always_inline)) void decode_head(const Args *a, int b, int kh,
-                                                              const int D) {
-    const int G = a->heads / a->kv_heads;
-    const int BS = a->block_size;
-    const int64_t row = (int64_t)a->kv_heads * D; /* floats from one token to the next */
-    const int32_t *table = a->tables + (int64_t)b * a->table_width;
-    const int len = a->lens[b];
-
-    float qs[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][CHUNK];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    int head[MAX_GROUP];
-    for (int i = 0; i < G; i++) {
-        head[i] = kh * G + i; /* query head h reads kv head h / G */
-        const float *qq = a->q + b * a->q_stride_b + head[i] * a->q_stride_h;
-        for (int x = 0; x < D; x++) {
-            qs[i][x] = qq[x] * a->scale;
-            acc[i][x] = 0.f;
-        }
-        m[i] = -FLT_MAX;
-        l[i] = 0.f;
-    }
-    for (int t0 = 0; t0 < len;) {
-        const int off = t0 % BS;
-        int n = BS - off;
-        if (n > CHUNK) n = CHUNK;
-        if (n > len - t0) n = len - t0;
-        const int64_t base = ((int64_t)table[t0 / BS] * BS + off) * row + (int64_t)kh * D;
-        const float *kr = a->k + base, *vr = a->v + base;
-        for (int t = 0; t < n; t++, kr += row)
-            for (int i = 0; i < G; i++) {
-                float dot = 0.f;
-                for (int x = 0; x < D; x++) dot += qs[i][x] * kr[x];
-                s[i][t] = dot;
-            }
-        for (int i = 0; i < G; i++) {
-            float top = m[i];
-            for (int t = 0; t < n; t++) top = s[i][t] > top ? s[i][t] : top;
-            const float rescale = expf(m[i] - top);
-            float sum = 0.f;
-            for (int t = 0; t < n; t++) {
-                s[i][t] = expf(s[i][t] - top);
-                sum += s[i][t];
-            }
-            l[i] = l[i] * rescale + sum;
-            m[i] = top;
-            for (int x = 0; x < D; x++) acc[i][x] *= rescale;
-        }
-        for (int t = 0; t < n; t++, vr += row)
-            for (int i = 0; i < G; i++) {
-                const float p = s[i][t];
-                for (int x = 0; x < D; x++) acc[i][x] += p * vr[x];
-            }
-        t0 += n;
-    }
-    for (int i = 0; i < G; i++) {
-        float *o = a->out + b * a->out_stride_b + head[i] * a->out_stride_h;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f; /* an empty context gives zeros */
-        for (int x = 0; x < D; x++) o[x] = acc[i][x] * inv;
-    }
-}
+#include "paged_decode_cpu.h"
 
 /* On x86-64 with GCC, each specialised copy is also built for AVX2+FMA (x86-64-v3) and
  * picked at load time when the CPU has it; elsewhere the compiler's baseline is used. */
@@ -121,17 +45,19 @@ static inline __attribute__((always_inline)) void decode_head(const Args *a, int
 #define CLONES
 #endif
 
-#define DEFINE_DECODE(NAME, DIM)                                                          \
-    CLONES static void NAME(const Args *a) {                                              \
-        for (int b = 0; b < a->batch; b++)                                                \
-            for (int kh = 0; kh < a->kv_heads; kh++) decode_head(a, b, kh, DIM);          \
-    }
-
-DEFINE_DECODE(decode_d16, 16)
-DEFINE_DECODE(decode_d32, 32)
-DEFINE_DECODE(decode_d64, 64)
-DEFINE_DECODE(decode_d128, 128)
-DEFINE_DECODE(decode_any, a->head_dim)
+#define DH_NAME(x) x##_f32
+#define DH_ELEM float
+#define DH_TO_F32(e) (e)
+#define DH_FROM_F32(f) (f)
+#define DH_DOT(qs, qe, k, D, scale) dot_f32(qs, k, D)
+#define DH_ATTR CLONES
+static inline __attribute__((always_inline)) float dot_f32(const float *q, const float *k,
+                                                           int D) {
+    float dot = 0.f;
+    for (int x = 0; x < D; x++) dot += q[x] * k[x];
+    return dot;
+}
+#include "paged_decode_head.h"
 
 /* Every block id a context reads must lie in the pool: checked before any read, so a bad
  * table is an exception, never a stray read. Returns the first bad sequence, or -1. */
@@ -152,52 +78,91 @@ static int first_bad_sequence(const Args *a, int *bad_block) {
     return -1;
 }
 
-static PyObject *paged_decode_f32(PyObject *self, PyObject *args) {
-    (void)self;
+typedef void (*Kernel)(const Args *);
+
+enum { BF16_AUTO = 0, BF16_PORTABLE = 1, BF16_AVX512 = 2 };
+static int avx512_usable; /* set once, when the module loads */
+
+/* Parse the launcher's arguments (with `impl`: the bfloat16 variant, last), validate them
+ * and run the kernel with the GIL released. */
+static PyObject *run_checked(PyObject *args, const char *format, const char *what,
+                             Kernel kernel, int *impl) {
     unsigned long long q, k, v, tables, lens, out;
     Args a;
-    if (!PyArg_ParseTuple(args, "KKKKKKLLLLiiiiiiif", &q, &k, &v, &tables, &lens, &out,
-                          &a.q_stride_b, &a.q_stride_h, &a.out_stride_b, &a.out_stride_h,
-                          &a.batch, &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
-                          &a.table_width, &a.num_blocks, &a.scale))
+    if (impl == NULL
+            ? !PyArg_ParseTuple(args, format, &q, &k, &v, &tables, &lens, &out, &a.q_stride_b,
+                                &a.q_stride_h, &a.out_stride_b, &a.out_stride_h, &a.batch,
+                                &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
+                                &a.table_width, &a.num_blocks, &a.scale)
+            : !PyArg_ParseTuple(args, format, &q, &k, &v, &tables, &lens, &out, &a.q_stride_b,
+                                &a.q_stride_h, &a.out_stride_b, &a.out_stride_h, &a.batch,
+                                &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
+                                &a.table_width, &a.num_blocks, &a.scale, impl))
         return NULL;
     if (a.kv_heads <= 0 || a.heads % a.kv_heads || a.heads / a.kv_heads > MAX_GROUP ||
         a.head_dim <= 0 || a.head_dim > MAX_DIM || a.block_size <= 0 || a.batch < 0) {
-        PyErr_SetString(PyExc_ValueError, "paged_decode_f32: unsupported geometry");
+        PyErr_Format(PyExc_ValueError, "%s: unsupported geometry", what);
         return NULL;
     }
-    a.q = (const float *)(uintptr_t)q;
-    a.k = (const float *)(uintptr_t)k;
-    a.v = (const float *)(uintptr_t)v;
+    a.q = (const void *)(uintptr_t)q;
+    a.k = (const void *)(uintptr_t)k;
+    a.v = (const void *)(uintptr_t)v;
     a.tables = (const int32_t *)(uintptr_t)tables;
     a.lens = (const int32_t *)(uintptr_t)lens;
-    a.out = (float *)(uintptr_t)out;
+    a.out = (void *)(uintptr_t)out;
     int bad_block;
     const int bad = first_bad_sequence(&a, &bad_block);
     if (bad >= 0) {
         if (bad_block < 0)
             PyErr_Format(PyExc_ValueError,
-                         "paged_decode_f32: sequence %d has length %d, beyond its block "
-                         "table (%d blocks of %d)",
-                         bad, a.lens[bad], a.table_width, a.block_size);
+                         "%s: sequence %d has length %d, beyond its block table (%d blocks "
+                         "of %d)",
+                         what, bad, a.lens[bad], a.table_width, a.block_size);
         else
             PyErr_Format(PyExc_ValueError,
-                         "paged_decode_f32: sequence %d reads block table entry %d = %d, "
-                         "outside the pool of %d blocks",
-                         bad, bad_block, a.tables[(int64_t)bad * a.table_width + bad_block],
-                         a.num_blocks);
+                         "%s: sequence %d reads block table entry %d = %d, outside the pool "
+                         "of %d blocks",
+                         what, bad, bad_block,
+                         a.tables[(int64_t)bad * a.table_width + bad_block], a.num_blocks);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS;
-    switch (a.head_dim) {
-        case 16: decode_d16(&a); break;
-        case 32: decode_d32(&a); break;
-        case 64: decode_d64(&a); break;
-        case 128: decode_d128(&a); break;
-        default: decode_any(&a); break;
+    if (impl != NULL) {
+        /* Below 32 elements a 512-bit VDPBF16PS is mostly masked off, and the portable
+         * (AVX2) copy measured faster (bench/test_cpu_bf16_bench.py, head_dim 16). */
+        if (*impl == BF16_AUTO)
+            *impl = avx512_usable && a.head_dim >= 32 ? BF16_AVX512 : BF16_PORTABLE;
+        if (*impl == BF16_PORTABLE) {
+            kernel = decode_bf16_portable;
+        } else if (*impl == BF16_AVX512 && avx512_usable) {
+            kernel = decode_bf16_avx512;
+        } else {
+            PyErr_Format(PyExc_ValueError, "%s: bfloat16 variant %d is not available here",
+                         what, *impl);
+            return NULL;
+        }
     }
+    Py_BEGIN_ALLOW_THREADS;
+    kernel(&a);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
+}
+
+static PyObject *paged_decode_f32(PyObject *self, PyObject *args) {
+    (void)self;
+    return run_checked(args, "KKKKKKLLLLiiiiiiif", "paged_decode_f32", decode_f32, NULL);
+}
+
+static PyObject *paged_decode_bf16(PyObject *self, PyObject *args) {
+    (void)self;
+    int impl = BF16_AUTO;
+    return run_checked(args, "KKKKKKLLLLiiiiiiifi", "paged_decode_bf16", NULL, &impl);
+}
+
+/* The bfloat16 variants this build and CPU run, best first (the one "auto" takes). */
+static PyObject *bf16_variants(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    return avx512_usable ? Py_BuildValue("(ss)", "avx512bf16", "portable")
+                         : Py_BuildValue("(s)", "portable");
 }
 
 static PyMethodDef methods[] = {
@@ -205,6 +170,11 @@ static PyMethodDef methods[] = {
      "paged_decode_f32(q, k, v, tables, lens, out, q_stride_b, q_stride_h, out_stride_b, "
      "out_stride_h, batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks, "
      "scale): raw addresses and sizes; use paged_engine.kernels.paged_decode_cpu."},
+    {"paged_decode_bf16", paged_decode_bf16, METH_VARARGS,
+     "paged_decode_bf16(same arguments as paged_decode_f32, then variant: 0 the best, 1 "
+     "portable, 2 avx512bf16): bfloat16 q, caches and out."},
+    {"bf16_variants", bf16_variants, METH_NOARGS,
+     "bf16_variants(): the names of the bfloat16 variants usable here, best first."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -213,4 +183,7 @@ static struct PyModuleDef module = {
     "Compiled CPU kernels (see csrc/paged_decode_cpu.c).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_kernels(void) {
+    avx512_usable = decode_bf16_avx512_usable(); /* the load-time choice */
+    return PyModule_Create(&module);
+}

@@ -159,6 +159,9 @@ class EngineConfig:
     # model path
     attention_backend: AttentionBackendName = "auto"
     dtype: str = "auto"
+    """vLLM's name. "auto": on CUDA the checkpoint's 16-bit dtype, else bfloat16; on CPU
+    bfloat16 for a 16-bit checkpoint where the CPU has AMX-BF16 or AVX512-BF16, else float32
+    (a float32 checkpoint stays float32; ``paged_decode_cpu.auto_cpu_dtype``, logged)."""
     device: str = "auto"
     kv_cache_memory: int | None = None
     """KV pool bytes on CPU; None sizes the pool automatically (see the class docstring)."""

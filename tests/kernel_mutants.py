@@ -8,13 +8,14 @@ one textual patch, built here:
   or interpreted under ``TRITON_INTERPRET=1``, like the real one). ``KernelMutant.active``
   puts it in place of the real kernel in its module for the duration of a block, so the
   real launchers (and the backends built on them) run it with their real host code;
-* the compiled CPU decode kernel: a patched copy of ``csrc/paged_decode_cpu.c``, compiled in
+* the compiled CPU decode kernel: a copy of ``csrc/`` with one file patched (by default the
+  kernel template ``paged_decode_head.h``, so every variant carries the bug), compiled in
   a temporary directory with exactly the ``Extension`` that ``setup.py`` declares (its
   ``setup()`` call is intercepted to read it), loaded as a separate module and swapped for
   the real one the same way;
 * cascade decode attention: a rewrite of the step's ``CascadePlan``.
 
-tests/test_kernels.py and tests/test_cpu_kernel.py require every mutant to disagree with its
+tests/test_kernels_prefill.py and tests/test_cpu_kernel.py require every mutant to disagree with its
 ``*_ref`` on some layout (proof that the layouts the tests draw can catch that class of
 bug); tests/test_attention_machine.py shows the oracle machine catching each of them.
 """
@@ -26,6 +27,7 @@ import importlib.util
 import inspect
 import linecache
 import runpy
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -169,7 +171,7 @@ PREFILL_MUTANTS: tuple[KernelMutant, ...] = (
     ),
 )
 """The same bug classes planted in the prefill kernel (the attention machine must catch
-them; the hand-picked layouts of test_kernels.py only the first tuple's)."""
+them; the hand-picked layouts of tests/kernel_cases.py only the first tuple's)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +245,7 @@ class CascadeMutantBackend(TorchAttentionBackend):
 # patched copy of the C file compiled for the tests alone.
 # --------------------------------------------------------------------------------------------
 
-C_SOURCE = ROOT / "csrc" / "paged_decode_cpu.c"
+C_SOURCES = ROOT / "csrc"
 
 
 def setup_extension() -> Any:
@@ -257,17 +259,22 @@ def setup_extension() -> Any:
 
 
 @functools.cache
-def build_c_mutant(name: str, patches: tuple[Patch, ...]) -> ModuleType:
-    """Compile ``csrc/paged_decode_cpu.c`` with ``patches`` applied into a temporary
-    directory, with setup.py's compiler flags, and load it as a module of its own."""
+def build_c_mutant(
+    name: str, file: str, patches: tuple[Patch, ...], extra_args: tuple[str, ...] = ()
+) -> ModuleType:
+    """Copy ``csrc/`` into a temporary directory, apply ``patches`` to ``file`` there,
+    compile it with setup.py's sources and flags (then ``extra_args``), and load it as a
+    module of its own."""
     from setuptools import Distribution
     from setuptools.command.build_ext import build_ext
 
     work = Path(tempfile.mkdtemp(prefix=f"paged-engine-{name}-"))
-    source = work / "paged_decode_cpu.c"
-    source.write_text(apply_patches(C_SOURCE.read_text(), patches, name))
-    real = setup_extension()
-    ext = replace_extension(real, str(source))
+    csrc = work / "csrc"
+    shutil.copytree(C_SOURCES, csrc)
+    target = csrc / file
+    target.write_text(apply_patches(target.read_text(), patches, name))
+    ext = replace_extension(setup_extension(), csrc)
+    ext.extra_compile_args += list(extra_args)
     cmd = build_ext(Distribution({"name": f"mutant-{name}", "ext_modules": [ext]}))
     cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
     cmd.ensure_finalized()
@@ -281,14 +288,20 @@ def build_c_mutant(name: str, patches: tuple[Patch, ...]) -> ModuleType:
     return module
 
 
-def replace_extension(ext: Any, source: str) -> Any:
-    """A copy of setup.py's ``Extension`` compiling ``source`` instead, optional no more
-    (a mutant that fails to build must fail the test)."""
+def replace_extension(ext: Any, csrc: Path) -> Any:
+    """A copy of setup.py's ``Extension`` compiling the sources in ``csrc`` instead (each
+    ``csrc/...`` path moved there), optional no more (a mutant that fails to build must
+    fail the test)."""
     from setuptools import Extension
+
+    def moved(path: str) -> str:
+        return str(csrc / Path(path).relative_to("csrc"))
 
     return Extension(
         ext.name,
-        sources=[source],
+        sources=[moved(s) for s in ext.sources],
+        depends=[moved(d) for d in ext.depends],
+        include_dirs=[moved(d) if d.startswith("csrc") else d for d in ext.include_dirs],
         extra_compile_args=list(ext.extra_compile_args),
         extra_link_args=list(ext.extra_link_args),
         libraries=list(ext.libraries),
@@ -298,22 +311,30 @@ def replace_extension(ext: Any, source: str) -> Any:
 
 @dataclass(frozen=True)
 class CpuKernelMutant:
-    """A patched copy of the CPU decode kernel, run by the real launcher."""
+    """A patched copy of the CPU decode kernel (``file`` in csrc/), run by the real
+    launcher. Patches to the template, paged_decode_head.h, reach every variant."""
 
     name: str
     patches: tuple[Patch, ...]
     bug: str
     kind: str = "decode"
+    file: str = "paged_decode_head.h"
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        module = build_c_mutant(self.name, self.patches)
+        module = build_c_mutant(self.name, self.file, self.patches)
         with mock.patch.object(paged_decode_cpu, "_MODULE", module):
             yield
 
     def launch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         with self.active():
             return paged_decode_attention_cpu(*args, **kwargs)
+
+
+def _in_bf16(expr: str) -> str:
+    """``expr`` rounded to the element type and back: bfloat16 rounding in the bfloat16
+    variants, nothing in the float32 one (the same macros the kernel converts with)."""
+    return f"DH_TO_F32(DH_FROM_F32({expr}))"
 
 
 CPU_MUTANTS: tuple[CpuKernelMutant, ...] = (
@@ -334,10 +355,42 @@ CPU_MUTANTS: tuple[CpuKernelMutant, ...] = (
     ),
 )
 
+BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (
+    CpuKernelMutant(
+        name="cpu_decode_bf16_accumulator",
+        patches=(
+            (
+                "acc[i][x] += p * DH_TO_F32(vr[x]);",
+                "acc[i][x] = " + _in_bf16("acc[i][x] + p * DH_TO_F32(vr[x])") + ";",
+            ),
+        ),
+        bug="the P @ V accumulator is kept in bfloat16 (rounded after every token)",
+    ),
+    CpuKernelMutant(
+        name="cpu_decode_bf16_softmax",
+        patches=(
+            (
+                "s[i][t] = expf(s[i][t] - top);",
+                "s[i][t] = " + _in_bf16("expf(s[i][t] - top)") + ";",
+            ),
+            ("l[i] = l[i] * rescale + sum;", "l[i] = " + _in_bf16("l[i] * rescale + sum") + ";"),
+        ),
+        bug="the softmax's exponentials and running sum are bfloat16",
+    ),
+)
+"""Precision bugs: identical to the real kernel in float32, wrong only in bfloat16."""
+
 
 class CpuMutantBackend(CpuAttentionBackend):
-    """The CPU backend with ``mutant``'s decode kernel."""
+    """The CPU backend with ``mutant``'s decode kernel (its ``bf16_variant`` in bfloat16)."""
 
-    def __init__(self, mutant: CpuKernelMutant, block_size: int, dtype: torch.dtype) -> None:
-        super().__init__(block_size, dtype)
-        self._decode = mutant.launch
+    def __init__(
+        self,
+        mutant: CpuKernelMutant,
+        block_size: int,
+        dtype: torch.dtype,
+        *,
+        bf16_variant: str = "auto",
+    ) -> None:
+        super().__init__(block_size, dtype, bf16_variant=bf16_variant)
+        self._decode = functools.partial(mutant.launch, bf16_variant=bf16_variant)

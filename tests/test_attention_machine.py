@@ -7,8 +7,11 @@ tests/attention_machine.py describes the machine and its checks. Here it runs:
   the Triton backend under ``TRITON_INTERPRET=1`` in float32 and float16 (the interpreter's
   bfloat16 arithmetic is broken), at small shapes (1-2 KV heads, GQA groups of 2-3, head
   dim 16, block sizes 4/8/16, pools of 3-16 blocks, sequences up to 64 tokens);
-* against the Triton kernel, CPU kernel and cascade-plan mutants: each must make the
-  machine fail;
+* the "cpu" backend on bfloat16 caches, each compiled variant (AVX512-BF16, portable),
+  its decode steps held to one rounding (half a bfloat16 ulp of the float32 oracle,
+  ``attention_machine.ONE_ROUNDING``), the torch backend's bfloat16 lane alongside;
+* against the Triton kernel, CPU kernel (block walk, GQA; in bfloat16, an accumulator and
+  a softmax kept in bfloat16) and cascade-plan mutants: each must make the machine fail;
 * under the ``gpu`` marker on CUDA: compiled Triton (block sizes 16 and 256) and flash-attn
   (block size 256), float16 and bfloat16, at Qwen3-0.6B's head shapes (16 query heads, 8 KV
   heads, head dim 128), prompts up to ~2,000 tokens, contexts up to 4,096. Tolerances are
@@ -37,6 +40,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from paged_engine.kernels.paged_decode_attention import is_interpreted
+from paged_engine.kernels.paged_decode_cpu import bf16_variants
 from paged_engine.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -47,6 +51,7 @@ from paged_engine.layers.attention.triton_backend import TritonAttentionBackend
 from paged_engine.layers.cascade import CascadePlan
 from tests.attention_machine import BackendFactory, Geometry, Lane, MachineConfig, make_machine
 from tests.kernel_mutants import (
+    BF16_MUTANTS,
     CASCADE_MUTANTS,
     CPU_MUTANTS,
     MUTANTS,
@@ -263,6 +268,44 @@ def test_machine_catches_cpu_kernel_mutant(mutant: CpuKernelMutant) -> None:
 
 def test_real_cpu_kernel_passes_the_same_hunt() -> None:
     config = MachineConfig(lanes=(lane("cpu", cpu_backend, FP32),))
+    run_state_machine_as_test(make_machine(config), settings=HUNT)
+
+
+# ---- bfloat16 on the CPU kernel: held to one rounding (tests/attention_machine.ONE_ROUNDING)
+
+
+def cpu_bf16_lane(variant: str) -> Lane:
+    factory = functools.partial(CpuAttentionBackend, bf16_variant=variant)
+    return Lane(f"cpu-bf16-{variant}", factory, BF16, one_rounding=True)
+
+
+BF16_LANE_VARIANTS = bf16_variants()
+
+
+def test_cpu_bf16_machine() -> None:
+    """The CPU kernel on bfloat16 caches, every variant this CPU runs, each within half a
+    bfloat16 ulp of the float32 oracle; the torch backend's bfloat16 lane alongside at its
+    dtype tolerance (~4 s)."""
+    lanes = (*(cpu_bf16_lane(v) for v in BF16_LANE_VARIANTS), lane("torch", torch_backend, BF16))
+    run_state_machine_as_test(
+        make_machine(MachineConfig(lanes=lanes)),
+        settings=settings(BASE, max_examples=40, stateful_step_count=40),
+    )
+
+
+@pytest.mark.parametrize("variant", BF16_LANE_VARIANTS)
+@pytest.mark.parametrize("mutant", BF16_MUTANTS, ids=[m.name for m in BF16_MUTANTS])
+def test_machine_catches_cpu_bf16_precision_mutant(mutant: CpuKernelMutant, variant: str) -> None:
+    factory = functools.partial(CpuMutantBackend, mutant, bf16_variant=variant)
+    config = MachineConfig(
+        lanes=(Lane(f"mutant-{mutant.name}-{variant}", factory, BF16, one_rounding=True),)
+    )
+    with pytest.raises(AssertionError, match="differs from naive attention"):
+        run_state_machine_as_test(make_machine(config), settings=HUNT)
+
+
+def test_real_cpu_bf16_kernel_passes_the_same_hunt() -> None:
+    config = MachineConfig(lanes=tuple(cpu_bf16_lane(v) for v in BF16_LANE_VARIANTS))
     run_state_machine_as_test(make_machine(config), settings=HUNT)
 
 

@@ -1,6 +1,7 @@
-"""The compiled CPU decode kernel (csrc/paged_decode_cpu.c) and the "cpu" backend.
+"""The compiled CPU decode kernel (csrc/paged_decode_cpu.c) and the "cpu" backend, float32
+(bfloat16: tests/test_cpu_kernel_bf16.py).
 
-The kernel against ``paged_decode_attention_ref`` on the layouts tests/test_kernels.py uses
+The kernel against ``paged_decode_attention_ref`` on the layouts tests/kernel_cases.py holds
 for the Triton kernels (NaN outside every context, shared prefix blocks, lengths off block
 edges, GQA, strided queries) and on drawn ones, every head-dim specialisation included;
 its refusals (each leaves ``out`` untouched); its mutants; and the backend's routing. The
@@ -25,8 +26,7 @@ from paged_engine.layers.attention import (
     make_attention_metadata,
 )
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
-from tests.kernel_mutants import CPU_MUTANTS, CpuKernelMutant
-from tests.test_kernels import (
+from tests.kernel_cases import (
     DECODE_CASES,
     TOL,
     Case,
@@ -37,6 +37,7 @@ from tests.test_kernels import (
     ref_decode,
     run_decode,
 )
+from tests.kernel_mutants import CPU_MUTANTS, CpuKernelMutant
 
 CPU = torch.device("cpu")
 
@@ -112,7 +113,7 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     (
         "float16",
         lambda a: a.update({k: a[k].half() for k in ("query", "k_cache", "v_cache")}),
-        "only float32",
+        "only float32 and bfloat16",
     ),
     ("block past the pool", lambda a: _set_table(a, 1, 0, 10**6), "sequence 1 reads block table"),
     ("negative block", lambda a: _set_table(a, 0, 0, -1), "sequence 0 reads block table entry 0"),
@@ -205,16 +206,17 @@ def test_head_dims_the_kernel_refuses_go_to_the_torch_path() -> None:
     assert_close(cpu.attend(q, q, q, k_cache, v_cache, meta, 0.3), want)
 
 
-def test_auto_picks_the_kernel_for_float32_on_cpu_and_torch_otherwise() -> None:
+def test_auto_picks_the_kernel_for_float32_and_bfloat16_on_cpu_and_torch_otherwise() -> None:
     assert get_attention_backend("auto", CPU, 16, torch.float32).name == "cpu"
+    assert get_attention_backend("auto", CPU, 16, torch.bfloat16).name == "cpu"
     assert get_attention_backend("auto", CPU, 16, torch.float16).name == "torch"
 
 
 def test_cpu_backend_refuses_what_it_cannot_run() -> None:
-    with pytest.raises(ValueError, match="float32 only"):
+    with pytest.raises(ValueError, match="bfloat16 or float32 only"):
         get_attention_backend("cpu", CPU, 16, torch.float16)
-    with pytest.raises(ValueError, match="float32 only"):
-        CpuAttentionBackend(16, torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 or float32 only"):
+        CpuAttentionBackend(16, torch.float16)
 
 
 def test_a_missing_extension_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

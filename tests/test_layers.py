@@ -448,7 +448,7 @@ def test_metadata_builder_layout() -> None:
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert get_attention_backend("torch", CPU, 16, torch.float32).name == "torch"
-    assert get_attention_backend("auto", CPU, 256, torch.bfloat16).name == "torch"
+    assert get_attention_backend("auto", CPU, 256, torch.bfloat16).name == "cpu"
     with pytest.raises(ValueError, match="flash-attn needs CUDA; this device is cpu"):
         get_attention_backend("flash-attn", CPU, 256, torch.bfloat16)
     with pytest.raises(ValueError, match="triton attention needs CUDA"):

@@ -107,7 +107,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     backends = list(ATTENTION_BACKENDS)
     add("--attention-backend", default="auto", choices=backends, help="see README")
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    add("--dtype", default="auto", choices=list(DTYPES), help="auto: float32 on CPU")
+    add(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPES),
+        help="auto: on CPU bfloat16 for a 16-bit checkpoint when the CPU has AVX512-BF16 "
+        "or AMX-BF16, else float32; on CUDA the checkpoint's 16-bit dtype, else bfloat16",
+    )
     add(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

@@ -1,10 +1,22 @@
 """Launcher for the compiled CPU paged-decode kernel (``csrc/paged_decode_cpu.c``).
 
 The kernel reads raw addresses, so everything it could misread is checked here first:
-shapes, dtypes (float32 only), devices (CPU only), strides; and in C, before any read,
-every block id a context touches (an exception, never a stray read). The readable
-reference is ``paged_decode_attention.paged_decode_attention_ref`` (same maths, plain torch);
-the tests hold the two together.
+shapes, dtypes (float32, or bfloat16 for q, caches and out alike), devices (CPU only),
+strides; and in C, before any read, every block id a context touches (an exception, never a
+stray read). The readable reference is ``paged_decode_attention.paged_decode_attention_ref``
+(same maths, plain float32 torch); ``paged_decode_cpu_ref`` restates the kernel's own
+algorithm (block walk, online softmax) in torch; the tests hold the three together.
+
+The checks are split from the launch (``check_paged_decode_cpu`` returns a
+``DecodeLaunch``, ``run_paged_decode_cpu`` runs one): a model calls the kernel once per
+layer with the same shapes, and the "cpu" backend checks once per step.
+
+bfloat16 has two compiled variants: ``"avx512bf16"`` (AVX512-BF16 dot products) and
+``"portable"`` (plain C, widened to float32); ``"auto"`` takes the AVX512 one when
+``bf16_variants()`` (worked out when the module loads) has it and ``head_dim >= 32``
+(below, a 512-bit dot is mostly masked off and the portable AVX2 copy measured faster).
+Both keep every product, the softmax and the accumulator in float32, and round once, to
+the output.
 
 The extension is optional (``setup.py``): ``cpu_kernels_problem()`` says why it is missing.
 """
@@ -12,6 +24,8 @@ The extension is optional (``setup.py``): ``cpu_kernels_problem()`` says why it 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -19,18 +33,29 @@ import torch
 from paged_engine.kernels.checks import check_int_vector, check_query_and_tables
 
 __all__ = [
+    "BF16_VARIANTS",
+    "DTYPES",
     "MAX_GROUP",
     "MAX_HEAD_DIM",
     "MIN_HEAD_DIM",
+    "DecodeLaunch",
+    "auto_cpu_dtype",
+    "bf16_variants",
+    "check_paged_decode_cpu",
+    "cpu_bf16_features",
     "cpu_kernels_problem",
     "geometry_problem",
     "paged_decode_attention_cpu",
+    "run_paged_decode_cpu",
 ]
 
 MAX_GROUP = 16
 """Most query heads per KV head the kernel takes (its per-head state lives on the stack)."""
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 """The head dims the launchers' shared checks accept (``checks.check_query_and_tables``)."""
+DTYPES = (torch.float32, torch.bfloat16)
+BF16_VARIANTS = {"auto": 0, "portable": 1, "avx512bf16": 2}
+"""The names of the bfloat16 variants, with the code the C entry point takes."""
 
 
 def _load() -> tuple[ModuleType | None, str | None]:
@@ -51,13 +76,53 @@ def cpu_kernels_problem() -> str | None:
     return _PROBLEM
 
 
+def bf16_variants() -> tuple[str, ...]:
+    """The bfloat16 variants the built module runs on this CPU, best first; empty without
+    the module."""
+    if _MODULE is None:
+        return ()
+    return tuple(_MODULE.bf16_variants())
+
+
+def cpu_bf16_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
+    """The bfloat16 matrix instructions this CPU reports, of ``("amx_bf16", "avx512_bf16")``:
+    what makes torch's bfloat16 matmuls (oneDNN) fast, and this kernel's AVX512 variant.
+    Read from the kernel's flags in ``/proc/cpuinfo`` (Linux); empty where unreadable."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return tuple(f for f in ("amx_bf16", "avx512_bf16") if f in flags)
+    return ()
+
+
+def auto_cpu_dtype(
+    checkpoint_dtype: torch.dtype | None, features: tuple[str, ...]
+) -> tuple[torch.dtype, str]:
+    """``dtype="auto"`` on the CPU, and why: bfloat16 for a 16-bit checkpoint on a CPU with
+    AMX-BF16 or AVX512-BF16 (float16 has no fast CPU path: it is served as bfloat16, as
+    vLLM's CPU build does); else float32. A float32 checkpoint stays float32 (exact, and
+    what the token-identity tests' models are), and without those instructions bfloat16
+    runs slower than float32 (software conversion around float32 arithmetic)."""
+    if checkpoint_dtype not in (torch.float16, torch.bfloat16):
+        stated = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype else None
+        return torch.float32, f"the checkpoint is {stated or 'float32 (unstated)'}"
+    if not features:
+        return torch.float32, "this CPU has neither AMX-BF16 nor AVX512-BF16"
+    stated = str(checkpoint_dtype).removeprefix("torch.")
+    return torch.bfloat16, f"the checkpoint is {stated} and this CPU has {', '.join(features)}"
+
+
 def geometry_problem(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> str | None:
     """Why the kernel cannot take this head layout and dtype, or None when it can: the
     launcher raises it, the "cpu" backend routes such steps to torch instead."""
-    if dtype != torch.float32:
-        return f"only float32 is supported, got {dtype}"
+    if dtype not in DTYPES:
+        return f"only float32 and bfloat16 are supported, got {dtype}"
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
     if num_heads // num_kv_heads > MAX_GROUP:
@@ -67,23 +132,34 @@ def geometry_problem(
     return None
 
 
-def paged_decode_attention_cpu(
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    """What ``check_paged_decode_cpu`` derived: valid for any call whose tensors have the
+    same shapes, strides, dtypes and device as the checked ones."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    table_width: int
+    num_blocks: int
+    bf16_variant: int | None
+    """The C variant code for bfloat16 (``BF16_VARIANTS``), None for float32."""
+
+
+def check_paged_decode_cpu(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one new token per sequence over its paged context; returns ``[B, H, D]``.
-
-    Arguments as ``paged_decode_attention`` (the Triton launcher): ``query`` ``[B, H, D]``
-    with a unit last stride, caches as ``store_kv`` writes them, ``block_tables``
-    ``[B, max_blocks]`` int32 (-1 padding past each context), ``seq_lens`` ``[B]`` int32, the
-    context length including the new token. All float32 and on the CPU. A zero-length
-    context gives zeros.
-    """
+    *,
+    bf16_variant: str = "auto",
+) -> DecodeLaunch:
+    """Every check of ``paged_decode_attention_cpu`` that depends on shapes, strides, dtypes
+    and devices only (the block ids and lengths are checked in C on every call)."""
     what = "paged_decode_attention_cpu"
     if _MODULE is None:
         raise RuntimeError(f"{what}: {_PROBLEM}")
@@ -93,14 +169,14 @@ def paged_decode_attention_cpu(
     check_int_vector(what, "seq_lens", seq_lens, batch, torch.int32)
     if not block_tables.is_contiguous():
         raise ValueError(f"{what}: block_tables must be contiguous, got {block_tables.stride()}")
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+    if out is not None and (
+        out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1
+    ):
         raise ValueError(
             f"{what}: out must be {tuple(query.shape)} {query.dtype} with a unit last stride, "
             f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
         )
-    tensors = (query, k_cache, v_cache, block_tables, seq_lens, out)
+    tensors = (query, k_cache, v_cache, block_tables, seq_lens, *(() if out is None else (out,)))
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError(f"{what}: every tensor must be on the CPU")
     if any(t.is_neg() or t.is_conj() for t in tensors):
@@ -109,9 +185,46 @@ def paged_decode_attention_cpu(
     problem = geometry_problem(num_heads, num_kv_heads, head_dim, query.dtype)
     if problem is not None:
         raise ValueError(f"{what}: {problem}")
-    if batch == 0:
+    code = BF16_VARIANTS.get(bf16_variant)
+    if bf16_variant != "auto" and query.dtype != torch.bfloat16:
+        raise ValueError(f"{what}: bf16_variant {bf16_variant!r} applies to bfloat16 only")
+    if code is None or (bf16_variant != "auto" and bf16_variant not in bf16_variants()):
+        raise ValueError(
+            f"{what}: bf16_variant {bf16_variant!r} is not available here; choose 'auto' or "
+            f"one of {bf16_variants()}"
+        )
+    return DecodeLaunch(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        table_width=block_tables.shape[1],
+        num_blocks=k_cache.shape[0],
+        bf16_variant=code if query.dtype == torch.bfloat16 else None,
+    )
+
+
+def run_paged_decode_cpu(
+    launch: DecodeLaunch,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the kernel on tensors shaped as the ones ``launch`` was checked with (the caller
+    guarantees it: ``CpuAttentionBackend`` keys its per-step memo by shapes and strides)."""
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if launch.batch == 0:
         return out
-    _MODULE.paged_decode_f32(
+    module = _MODULE  # read per call: the tests swap in mutants
+    if module is None:
+        raise RuntimeError(f"paged_decode_attention_cpu: {_PROBLEM}")
+    args = (
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -122,13 +235,43 @@ def paged_decode_attention_cpu(
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        batch,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        block_tables.shape[1],
-        k_cache.shape[0],
+        launch.batch,
+        launch.num_heads,
+        launch.num_kv_heads,
+        launch.head_dim,
+        launch.block_size,
+        launch.table_width,
+        launch.num_blocks,
         scale,
     )
+    if launch.bf16_variant is None:
+        module.paged_decode_f32(*args)
+    else:
+        module.paged_decode_bf16(*args, launch.bf16_variant)
     return out
+
+
+def paged_decode_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    bf16_variant: str = "auto",
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context; returns ``[B, H, D]``.
+
+    Arguments as ``paged_decode_attention`` (the Triton launcher): ``query`` ``[B, H, D]``
+    with a unit last stride, caches as ``store_kv`` writes them, ``block_tables``
+    ``[B, max_blocks]`` int32 (-1 padding past each context), ``seq_lens`` ``[B]`` int32, the
+    context length including the new token. q, caches and out all float32 or all bfloat16,
+    on the CPU; ``bf16_variant`` picks the bfloat16 code ("auto": the best here). A
+    zero-length context gives zeros.
+    """
+    launch = check_paged_decode_cpu(
+        query, k_cache, v_cache, block_tables, seq_lens, out, bf16_variant=bf16_variant
+    )
+    return run_paged_decode_cpu(launch, query, k_cache, v_cache, block_tables, seq_lens, scale, out)

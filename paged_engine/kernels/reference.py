@@ -1,7 +1,7 @@
 """The attention kernels' references: plain float32 torch, one sequence at a time.
 
 Readable rather than fast: each gathers a sequence's contiguous K/V through its block
-table and computes softmax attention with the textbook formula. tests/test_kernels.py and
+table and computes softmax attention with the textbook formula. tests/test_kernels_*.py and
 tests/test_cpu_kernel.py hold every kernel (Triton decode and prefill, the compiled CPU
 decode kernel) to these.
 """

@@ -75,14 +75,20 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: object) -> torch.dtype:
-    """'auto' is float32 on CPU (exact, and CPUs have no fast half maths), and the
-    checkpoint's half dtype (else bfloat16) on CUDA."""
+    """'auto' on CPU: bfloat16 for a 16-bit checkpoint on a CPU with AMX-BF16 or
+    AVX512-BF16, else float32 (``paged_decode_cpu.auto_cpu_dtype``; logged). On CUDA: the
+    checkpoint's half dtype, else bfloat16."""
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
+    if device.type == "cpu":
+        from paged_engine.kernels.paged_decode_cpu import auto_cpu_dtype, cpu_bf16_features
+
+        stated = checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else None
+        dtype, why = auto_cpu_dtype(stated, cpu_bf16_features())
+        logger.info("dtype 'auto' chose %s: %s", str(dtype).removeprefix("torch."), why)
+        return dtype
     if checkpoint_dtype is torch.float16 or checkpoint_dtype is torch.bfloat16:
         return checkpoint_dtype
     return torch.bfloat16

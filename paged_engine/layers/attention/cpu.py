@@ -2,21 +2,39 @@
 
 A decode step (one new token per sequence), which is most of a generation's steps, runs
 ``paged_decode_attention_cpu``: each context read once, straight from the paged pool, with
-an online softmax, instead of torch's gather-then-attend. Everything else (prefill, a
-cache-less warm-up, a dtype or head layout the kernel lacks) is the torch backend's path,
-unchanged.
+an online softmax, instead of torch's gather-then-attend. float32 and bfloat16 caches alike
+(bfloat16 with AVX512-BF16 dot products where the CPU has them, float32 arithmetic
+throughout). Everything else (prefill, a cache-less warm-up, a dtype or head layout the
+kernel lacks) is the torch backend's path, unchanged.
+
+The launcher's shape, stride and dtype checks cost about 20 us a call, paid by every layer
+of every decode step; they run once per step and argument layout instead (``StepMemo``, as
+the Triton backend does), and the kernel checks block ids and lengths in C on every call.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from paged_engine.kernels.paged_decode_cpu import geometry_problem, paged_decode_attention_cpu
+from paged_engine.kernels.paged_decode_cpu import (
+    DecodeLaunch,
+    check_paged_decode_cpu,
+    geometry_problem,
+    run_paged_decode_cpu,
+)
 from paged_engine.layers.attention.base import AttentionMetadata
+from paged_engine.layers.attention.kernel_base import StepMemo
 from paged_engine.layers.attention.requirements import cpu_problem
 from paged_engine.layers.attention.torch_backend import TorchAttentionBackend
 
 __all__ = ["CpuAttentionBackend"]
+
+
+def _layout(*tensors: torch.Tensor) -> tuple[Any, ...]:
+    """Everything the launcher's checks read from ``tensors``."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.is_neg(), t.is_conj()) for t in tensors)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -25,16 +43,57 @@ class CpuAttentionBackend(TorchAttentionBackend):
     Shared-prefix cascades (the torch backend's decode speed-up) are off: the kernel reads
     each shared block from the pool for every sequence, and blocks shared by consecutive
     sequences are still in the CPU's cache when the next one reads them.
+
+    ``bf16_variant`` picks the bfloat16 kernel ("auto", "avx512bf16" or "portable"; see
+    ``paged_decode_cpu.bf16_variants``), for benchmarks and tests of each.
     """
 
     name = "cpu"
 
-    def __init__(self, block_size: int | None = None, dtype: torch.dtype | None = None) -> None:
-        problem = cpu_problem(torch.device("cpu"), block_size or 1, dtype or torch.float32)
+    def __init__(
+        self,
+        block_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bf16_variant: str = "auto",
+    ) -> None:
+        dtype = dtype or torch.float32
+        problem = cpu_problem(torch.device("cpu"), block_size or 1, dtype)
         if problem is not None:
             raise ValueError(f"CpuAttentionBackend: {problem}")
+        if bf16_variant != "auto":
+            from paged_engine.kernels.paged_decode_cpu import bf16_variants
+
+            if dtype != torch.bfloat16 or bf16_variant not in bf16_variants():
+                raise ValueError(
+                    f"CpuAttentionBackend: bf16_variant {bf16_variant!r} needs dtype bfloat16 "
+                    f"and one of {bf16_variants()} (got dtype {dtype})"
+                )
         super().__init__(block_size, dtype, shared_prefix_min_tokens=None)
-        self._decode = paged_decode_attention_cpu  # an attribute: tests count its calls
+        self.bf16_variant = bf16_variant
+        self._checks = StepMemo()
+        self._decode = self._decode_checked_per_step  # an attribute: tests count its calls
+
+    def _decode_checked_per_step(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """The launcher, its checks made once per step (a step's block table is one tensor
+        for all its layers) and argument layout."""
+        key = _layout(query, k_cache, v_cache, block_tables, seq_lens)
+        launch: DecodeLaunch = self._checks.get(
+            block_tables,
+            key,
+            lambda: check_paged_decode_cpu(
+                query, k_cache, v_cache, block_tables, seq_lens, bf16_variant=self.bf16_variant
+            ),
+        )
+        return run_paged_decode_cpu(launch, query, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def attend(
         self,

@@ -50,12 +50,13 @@ def torch_problem(
 def cpu_problem(
     device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int | None = None
 ) -> str | None:
-    """The compiled CPU decode kernel (float32; other steps and head dims go to torch)."""
+    """The compiled CPU decode kernel (float32 and bfloat16; other steps and head dims go to
+    torch)."""
     del head_dim  # head dims the kernel lacks are routed to the torch path, not refused
     if device.type != "cpu":
         return f"the CPU attention backend runs on the CPU; this device is {device.type}"
-    if dtype != torch.float32:
-        return f"the CPU decode kernel is float32 only; got {dtype}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the CPU decode kernel takes bfloat16 or float32 only; got {dtype}"
     return _block_size_problem(block_size) or cpu_kernels_problem()
 
 

@@ -1,0 +1,36 @@
+/*
+ * What the CPU paged-decode kernels share: the argument record and the entry points of each
+ * compiled variant. paged_decode_cpu.c parses and validates the arguments (once, for every
+ * variant) and dispatches; each variant is one instantiation of paged_decode_head.h.
+ */
+#ifndef PAGED_DECODE_CPU_H
+#define PAGED_DECODE_CPU_H
+
+#include <stdint.h>
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+/* Tokens scored before each online-softmax update: at most this many, and never past the
+ * end of a block (so with small blocks the accumulator is rescaled once per block). */
+#define CHUNK 32
+
+typedef struct {
+    const void *q; /* float or bfloat16 (raw uint16_t bits), as the variant reads them */
+    const void *k;
+    const void *v;
+    const int32_t *tables;
+    const int32_t *lens;
+    void *out;
+    int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
+    int batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks;
+    float scale;
+} Args;
+
+void decode_f32(const Args *a);          /* paged_decode_cpu.c */
+void decode_bf16_portable(const Args *a); /* paged_decode_bf16.c */
+/* AVX512-BF16 dot products (paged_decode_bf16.c): 1 when this build has the variant and
+ * this CPU runs it, else 0 (then decode_bf16_avx512 must not be called). */
+int decode_bf16_avx512_usable(void);
+void decode_bf16_avx512(const Args *a);
+
+#endif
