@@ -14,7 +14,7 @@ import torch
 
 from paged_engine import LLM
 from paged_engine.kernels.paged_decode_cpu import auto_cpu_dtype, cpu_bf16_features
-from paged_engine.worker.model_runner import resolve_dtype
+from paged_engine.worker.devices import resolve_dtype
 
 CPU = torch.device("cpu")
 BOTH = ("amx_bf16", "avx512_bf16")

@@ -10,13 +10,13 @@ range through a block table come from ``engine.indexing.slot_mapping`` (through
 The KV pool (``kv_cache.py``) is sized before the weights load whenever it can be: from
 ``num_kvcache_blocks``, ``kv_cache_memory``, or room for ``max_num_seqs`` full-length
 sequences capped by free memory; on CUDA without a block count, from the memory a warm-up
-pass of the loaded model leaves (nano-vllm's approach).
+pass of the loaded model leaves (``cuda_memory.py``). The device and dtype come from
+``devices.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +29,6 @@ from paged_engine.config import EngineConfig, openmp_waits_passively
 from paged_engine.engine.outputs import FailedSample, SampleOutput, TokenLogprobs
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.attention import (
-    Attention,
     AttentionBackend,
     AttentionMetadata,
     HostMetadata,
@@ -50,48 +49,14 @@ from paged_engine.worker.cuda_graphs import (
     StaticDecodeBuffers,
     capture_sizes,
 )
+from paged_engine.worker.cuda_memory import cuda_pool_budget
+from paged_engine.worker.devices import resolve_device, resolve_dtype
 from paged_engine.worker.kv_cache import KVCacheLayout, allocate_kv_cache, pool_size
 
 if TYPE_CHECKING:
     from paged_engine.worker.tp_worker import WorkerGroup
 
 logger = logging.getLogger("paged_engine")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"device {name!r} is not a torch device: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {name!r}: only cpu and cuda are supported")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: object) -> torch.dtype:
-    """'auto' on CPU: bfloat16 for a 16-bit checkpoint on a CPU with AMX-BF16 or
-    AVX512-BF16, else float32 (``paged_decode_cpu.auto_cpu_dtype``; logged). On CUDA: the
-    checkpoint's half dtype, else bfloat16."""
-    if name != "auto":
-        return _DTYPES[name]
-    if isinstance(checkpoint_dtype, str):
-        checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
-    if device.type == "cpu":
-        from paged_engine.kernels.paged_decode_cpu import auto_cpu_dtype, cpu_bf16_features
-
-        stated = checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else None
-        dtype, why = auto_cpu_dtype(stated, cpu_bf16_features())
-        logger.info("dtype 'auto' chose %s: %s", str(dtype).removeprefix("torch."), why)
-        return dtype
-    if checkpoint_dtype is torch.float16 or checkpoint_dtype is torch.bfloat16:
-        return checkpoint_dtype
-    return torch.bfloat16
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,81 +192,8 @@ class ModelRunner:
         return agree_min(blocks, self.device)
 
     def _cuda_budget(self) -> int:
-        """Bytes for the pool: the utilisation target minus everything else a step can hold
-        at once (``StepMemory``): a warm-up prefill of ``max_num_batched_tokens`` tokens
-        (weights and activations), the Triton decode's largest split-K workspace, the
-        sampler over ``[max_num_seqs, vocab]`` float32 logits with every filter and
-        logprobs on, and, when decode will be captured, a decode pass at the largest
-        bucket (its activations stay in the graphs' memory pool)."""
-        dev = self.device
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        weights = torch.cuda.memory_allocated(dev)
-        cfg = self.config
-        n = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
-        lens = []
-        while n > 0:
-            lens.append(min(n, cfg.max_model_len))
-            n -= lens[-1]
-        seqs = [Sequence([0] * m, block_size=self.block_size) for m in lens]
-        for s in seqs:
-            s.num_scheduled_tokens = len(s)
-        self._forward(seqs, is_prefill=True)  # the cache is still empty: nothing is stored
-        torch.cuda.synchronize(dev)
-        forward_peak = torch.cuda.max_memory_allocated(dev)
-        graphs = 0
-        if self._graphs_problem() is None:
-            graphs = _peak_of(dev, lambda: self._forward(_warmup_decode(self), is_prefill=False))
-        memory = StepMemory(
-            forward_peak=forward_peak,
-            weights=weights,
-            decode_workspace=self._decode_workspace_bytes(),
-            sampling=_peak_of(dev, lambda: self._sample_at_full_batch()),
-            graphs=graphs,
-        )
-        free, total = torch.cuda.mem_get_info(dev)
-        used_by_others = total - free - torch.cuda.memory_allocated(dev)
-        logger.info("CUDA memory besides the KV pool: %s", memory)
-        return max(0, int(total * cfg.gpu_memory_utilization) - used_by_others - memory.need)
-
-    def _decode_workspace_bytes(self) -> int:
-        """The Triton decode kernel's largest split-K partials over batches up to
-        ``max_num_seqs`` (other backends allocate none of their own here)."""
-        if self.backend.name != "triton":
-            return 0
-        from paged_engine.kernels.decode_plan import max_decode_workspace_bytes
-        from paged_engine.kernels.paged_decode_attention import sm_count
-
-        layer = next(m for m in self.model.modules() if isinstance(m, Attention))
-        return max_decode_workspace_bytes(
-            max_num_seqs=self.config.max_num_seqs,
-            num_heads=layer.num_heads,
-            num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim,
-            block_size=self.block_size,
-            table_width=self.config.max_blocks_per_seq(),
-            dtype=self.dtype,
-            sm_count=sm_count(self.device),
-        )
-
-    @torch.inference_mode()
-    def _sample_at_full_batch(self) -> None:
-        """The sampling half of a step at its largest: ``max_num_seqs`` rows of logits,
-        sampled with temperature, top-k, top-p, min-p, a repetition penalty and logprobs
-        (the heaviest path), then their logprobs."""
-        from paged_engine.sampling_params import SamplingParams
-
-        n = self.config.max_num_seqs
-        hidden = torch.zeros(
-            n, int(self.hf_config.hidden_size), dtype=self.dtype, device=self.device
-        )
-        logits = self.model.compute_logits(hidden)
-        params = SamplingParams(
-            temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, logprobs=5
-        )
-        seqs = [Sequence([0, 1], sampling_params=params, block_size=self.block_size)] * n
-        tokens = self.sampler(logits, [params] * n, [None] * n, seqs, self.eos_token_ids)
-        sampled_logprobs(logits, [params.logprobs] * n, tokens)
+        """Bytes for the pool on CUDA, measured with the loaded model (``cuda_memory``)."""
+        return cuda_pool_budget(self)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         return allocate_kv_cache(self.model, self.layout, num_blocks, self.device)
@@ -507,46 +399,3 @@ def _host_staging(runner: ModelRunner) -> HostStaging:
         staging = HostStaging(runner.device)
         setattr(runner, "_staging", staging)  # noqa: B010 (stand-ins have no such attribute)
     return staging
-
-
-@dataclass(frozen=True, slots=True)
-class StepMemory:
-    """What a step can hold on a CUDA device besides the KV pool, in bytes.
-
-    ``forward_peak`` is absolute (the weights included); the rest are measured or computed
-    on their own. The forward pass's activations and the split-K partials coexist (the
-    partials live during one layer's attention); the sampler runs after the activations
-    are freed, with the weights still there; captured graphs keep their pool for good.
-    """
-
-    forward_peak: int
-    weights: int
-    decode_workspace: int
-    sampling: int
-    graphs: int
-
-    @property
-    def need(self) -> int:
-        during_forward = self.forward_peak + self.decode_workspace
-        during_sampling = self.weights + self.sampling
-        return max(during_forward, during_sampling) + self.graphs
-
-
-def _peak_of(device: torch.device, fn: Callable[[], object]) -> int:
-    """Bytes ``fn`` allocates at its peak beyond what was allocated before it."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return max(0, torch.cuda.max_memory_allocated(device) - before)
-
-
-def _warmup_decode(runner: ModelRunner) -> list[Sequence]:
-    """A decode batch of the largest captured size over one-token contexts (the cache is
-    still empty, so the pass attends over each row alone: the activations' shape)."""
-    bucket = capture_sizes(runner.config.max_num_seqs)[-1]
-    seqs = [Sequence([0], block_size=runner.block_size) for _ in range(bucket)]
-    for s in seqs:
-        s.num_scheduled_tokens = 1
-    return seqs

@@ -47,8 +47,9 @@ from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.parallel import check_divisible
 from paged_engine.utils.model_config import load_config
 from paged_engine.worker import distributed as tpd
+from paged_engine.worker.devices import resolve_device
 from paged_engine.worker.handoff import BroadcastChannel, ShmChannel, ShmReader, StepMessage
-from paged_engine.worker.model_runner import ModelRunner, resolve_device
+from paged_engine.worker.model_runner import ModelRunner
 
 T = TypeVar("T")
 JOIN_TIMEOUT_S = 10.0

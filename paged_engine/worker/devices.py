@@ -1,0 +1,51 @@
+"""The device and dtype a runner uses, from the config's names ("auto" included).
+
+Kept apart from the runner so that tensor-parallel workers and tests can resolve them
+without building one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+__all__ = ["resolve_device", "resolve_dtype"]
+
+logger = logging.getLogger("paged_engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device {name!r} is not a torch device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: only cpu and cuda are supported")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: object) -> torch.dtype:
+    """'auto' on CPU: bfloat16 for a 16-bit checkpoint on a CPU with AMX-BF16 or
+    AVX512-BF16, else float32 (``paged_decode_cpu.auto_cpu_dtype``; logged). On CUDA: the
+    checkpoint's half dtype, else bfloat16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
+    if device.type == "cpu":
+        from paged_engine.kernels.paged_decode_cpu import auto_cpu_dtype, cpu_bf16_features
+
+        stated = checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else None
+        dtype, why = auto_cpu_dtype(stated, cpu_bf16_features())
+        logger.info("dtype 'auto' chose %s: %s", str(dtype).removeprefix("torch."), why)
+        return dtype
+    if checkpoint_dtype is torch.float16 or checkpoint_dtype is torch.bfloat16:
+        return checkpoint_dtype
+    return torch.bfloat16
