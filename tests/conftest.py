@@ -1,4 +1,4 @@
-"""Hypothesis profiles (HYPOTHESIS_PROFILE=dev|ci) and shared fixtures."""
+"""Hypothesis profiles (HYPOTHESIS_PROFILE=dev|ci|fuzz) and shared fixtures."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 # Triton kernels run under its interpreter on machines without CUDA. Triton reads the
 # variable when it is first imported, so it is set here, before any test module loads.
@@ -39,6 +40,27 @@ settings.register_profile(
     database=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# Fuzz campaigns (`tox -e fuzz`, scripts/fuzz.py): random seeds (the driver passes each
+# round's seed with --hypothesis-seed and prints it) and the example database, so a failure
+# found once is replayed first by every later run on this checkout. Never the CI default.
+settings.register_profile(
+    "fuzz",
+    max_examples=100,
+    stateful_step_count=100,
+    deadline=None,
+    derandomize=False,
+    database=DirectoryBasedExampleDatabase(".hypothesis/examples"),
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# Mutation testing (`tox -e mutation`): dev's budgets, but every mutant sees the same
+# examples and no database, so a verdict does not depend on the mutants run before it.
+settings.register_profile(
+    "mutation",
+    settings.get_profile("dev"),
+    derandomize=True,
+    database=None,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 

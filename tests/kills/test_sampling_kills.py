@@ -1,0 +1,154 @@
+"""Tests that kill mutants mutmut (tox -e mutation) found alive: the logit processors and
+the sampling filters (layers/logits_processors.py, layers/sampler.py).
+
+Each section names what it kills. The expected values never come from the code under test:
+they are computed by a second, deliberately naive procedure or written out by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_engine.layers.logits_processors import apply_logits_processors
+from paged_engine.layers.sampler import probabilities
+from paged_engine.sampling_params import SamplingParams
+
+# --------------------------------------------------------------------------------------------
+# Logit processors (layers/logits_processors.py). The selection compared whole generations
+# with transformers, where the penalties were never exactly 2.0 (repetition) or 1.0
+# (presence), no row lacked a history beside one that had it, no history or stop id reached
+# the vocabulary's end, and no bias met a non-zero logit. Expected values by hand.
+# --------------------------------------------------------------------------------------------
+
+
+class History:
+    """A token history: the prompt, then the output."""
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.token_ids = [*prompt, *output]
+        self.num_prompt_tokens = len(prompt)
+
+
+def _logits(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_a_repetition_penalty_of_exactly_two_applies() -> None:
+    out = apply_logits_processors(
+        _logits([4.0, -4.0, 1.0]), [SamplingParams(repetition_penalty=2.0)], [History([0, 1], [])]
+    )
+    assert out.tolist() == [[2.0, -8.0, 1.0]]
+
+
+def test_a_presence_penalty_of_exactly_one_applies() -> None:
+    out = apply_logits_processors(
+        _logits([4.0, 4.0, 4.0]), [SamplingParams(presence_penalty=1.0)], [History([0], [2, 2])]
+    )
+    assert out.tolist() == [[4.0, 4.0, 3.0]]  # the prompt's token 0 is not an output token
+
+
+def test_penalised_rows_beside_a_row_without_history() -> None:
+    # Row 0 only biases (it needs no history); row 1 is penalised.
+    params = [
+        SamplingParams(logit_bias={1: 0.5}),
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0),
+    ]
+    out = apply_logits_processors(_logits([1.0, 1.0], [1.0, 1.0]), params, [None, History([], [1])])
+    assert out.tolist() == [[1.0, 1.5], [1.0, -0.5]]  # row 1: 1 / 2 - 1 x 1
+
+
+def test_a_bias_adds_to_the_logit() -> None:
+    out = apply_logits_processors(
+        _logits([3.0, -1.0]), [SamplingParams(logit_bias={0: 2.0, 1: -0.5})], [None]
+    )
+    assert out.tolist() == [[5.0, -1.5]]
+
+
+def test_history_ids_at_the_vocabulary_end_are_ignored() -> None:
+    # Token 3 does not exist in a 3-token vocabulary: counted as row 0's token 3 it would
+    # land on row 1's token 0.
+    params = [SamplingParams(repetition_penalty=2.0)] * 2
+    out = apply_logits_processors(
+        _logits([2.0, 2.0, 2.0], [2.0, 2.0, 2.0]), params, [History([3], []), History([1], [])]
+    )
+    assert out.tolist() == [[2.0, 2.0, 2.0], [2.0, 1.0, 2.0]]
+
+
+def test_min_tokens_ignores_stop_ids_beyond_the_vocabulary() -> None:
+    params = [SamplingParams(min_tokens=2, stop_token_ids=[1, 3])]
+    out = apply_logits_processors(_logits([1.0, 1.0, 1.0]), params, [History([0], [])], (2,))
+    assert out.tolist() == [[1.0, float("-inf"), float("-inf")]]
+
+
+@pytest.mark.parametrize(
+    ("params", "histories", "message"),
+    [
+        ([SamplingParams()], [None, None], "2 logit rows but 1 params and 2 histories"),
+        ([SamplingParams()] * 2, [None], "2 logit rows but 2 params and 1 histories"),
+        (
+            [SamplingParams(), SamplingParams(min_tokens=1)],
+            [None, None],
+            "row 1 uses penalties or min_tokens but has no token history",
+        ),
+        (
+            [SamplingParams(logit_bias={5: 1.5})] * 2,
+            [None, None],
+            "row 0: logit_bias names token 5, beyond the vocabulary of 2 tokens",
+        ),
+    ],
+    ids=["params", "histories", "min_tokens", "bias"],
+)
+def test_refused_rows_name_the_problem_and_leave_logits_alone(
+    params: list[SamplingParams], histories: list[History | None], message: str
+) -> None:
+    logits = _logits([1.0, 2.0], [3.0, 4.0])
+    with pytest.raises(ValueError) as info:
+        apply_logits_processors(logits, params, histories)
+    assert str(info.value) == message
+    assert logits.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+# --------------------------------------------------------------------------------------------
+# Filtered sampling probabilities (layers/sampler.py): min_p must add to top-k's cut, not
+# replace it; among equal logits the lower token id ranks first.
+# --------------------------------------------------------------------------------------------
+
+
+def test_min_p_does_not_undo_top_k() -> None:
+    # min_p = 0.01 keeps all three tokens; top_k = 1 keeps only the most likely.
+    probs = probabilities(_logits([2.0, 1.0, 0.0]), [SamplingParams(top_k=1, min_p=0.01)])
+    assert probs.tolist() == [[1.0, 0.0, 0.0]]
+
+
+def test_top_k_among_equal_logits_keeps_the_lowest_ids() -> None:
+    probs = probabilities(_logits([1.0] * 6), [SamplingParams(top_k=2)])
+    assert probs.tolist() == [[0.5, 0.5, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_top_p_drops_a_token_whose_preceding_mass_equals_it_exactly() -> None:
+    # The float32 mass before token 1 of the row [0, -1, -2] (already sorted, maximum 0),
+    # computed with torch's own softmax and cumsum: top_p set to exactly that value.
+    shifted = _logits([0.0, -1.0, -2.0])
+    p = torch.softmax(shifted, dim=-1)
+    top = float((p.cumsum(dim=-1) - p)[0, 1])
+    probs = probabilities(shifted + 2.0, [SamplingParams(top_p=top)])
+    # The nucleus is complete before token 1: only token 0 may be drawn.
+    assert probs[0, 0] > 0 and probs[0, 1:].tolist() == [0.0, 0.0]
+
+
+def test_top_p_of_one_drops_nothing_even_where_float32_mass_reaches_one() -> None:
+    # exp(-30) is below float32's resolution at 1.0: the mass before token 1 rounds to
+    # exactly 1.0. top_k = 2 routes the row through the filter; top_p = 1.0 must not cut.
+    probs = probabilities(_logits([0.0, -30.0, -31.0]), [SamplingParams(top_k=2, top_p=1.0)])
+    assert probs[0, 1] > 0 and probs[0, 2] == 0
+
+
+def test_top_p_and_penalties_validation_that_the_filters_rely_on() -> None:
+    # top_p in (0, 1]: the most likely token (preceding mass 0) can never be dropped.
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=bad)
+    # A penalised row needs its history: rows without one never reach the penalties.
+    with pytest.raises(ValueError, match="row 0 uses penalties"):
+        apply_logits_processors(_logits([1.0]), [SamplingParams(repetition_penalty=1.5)], [None])
