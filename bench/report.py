@@ -6,7 +6,9 @@ Usage: ``python bench/report.py [RUN.json | DIR]`` (default: the newest ``*.json
 Per allocator scenario it prints the engine's and the spec's microseconds per
 sequence-step, the spec/engine ratio, and pass/miss against the scenario's targets, which
 the benchmark stored in ``extra_info``; then the whole engine loop, and the end-to-end
-output tokens/s against transformers. The verdicts use the *fastest* round of each: the workload is
+output tokens/s against transformers, and the side-by-side table: paged_engine/vLLM
+(``bench/test_vllm_bench.py``, ``tox -e bench-vllm``) and paged_engine/transformers in
+one. The verdicts use the *fastest* round of each: the workload is
 deterministic, so on a machine shared with other jobs the minimum is the estimate least
 contaminated by them (the advice of ``timeit``). Medians are printed beside, and a verdict
 that the medians would reverse is flagged, so nothing is hidden by the choice.
@@ -92,6 +94,7 @@ def report(path: Path) -> str:
             lines.append(f"{'':<23}  warning: engine and spec ran different amounts of work")
     lines += _scheduler_lines(run)
     lines += _e2e_lines(run)
+    lines += _side_by_side_lines(run)
     lines += [
         "",
         "us/ss: microseconds per sequence-step (one sequence scheduled in one step), fastest "
@@ -154,6 +157,56 @@ def _e2e_lines(run: dict[str, Any]) -> list[str]:
             f"{name + ' / transformers':<30}{ratio:>9.2f}x ({ratio_med:.2f}x)"
             f"   >={target:g}x {verdict}   backend {info.get('attention_backend', '?')}"
         )
+    return lines
+
+
+def _side_by_side_lines(run: dict[str, Any]) -> list[str]:
+    """paged_engine against vLLM (``bench/test_vllm_bench.py``) and against transformers
+    (the end-to-end suite), one row per cell: fastest rounds, medians in parentheses."""
+    rows: list[tuple[str, dict[str, Any] | None, float | None, float | None]] = []
+    for b in run.get("benchmarks", []):
+        info = b.get("extra_info", {})
+        if info.get("suite") == "vllm":
+            cell = f"{info['model']} {info['dtype']} {info['threads']}t"
+            rows.append((cell, info, None, None))
+        elif b.get("group") == "e2e-cpu" and "speedup_vs_transformers" in info:
+            cell = f"e2e {info['engine'].replace('paged_engine', 'pe')} float32 {info['threads']}t"
+            ratio = (info["speedup_vs_transformers"], info["speedup_vs_transformers_median"])
+            rows.append((cell, None, *ratio))
+    if not rows:
+        return []
+    header = (
+        f"{'paged_engine (pe) side by side':<30}{'pe tok/s':>16}{'vLLM tok/s':>16}"
+        f"{'pe/vLLM':>16}{'pe/transformers':>17}{'TTFT mean pe/vLLM ms':>22}"
+        f"{'tok/CPU-s pe/vLLM':>19}{'RSS MB pe/vLLM':>16}  goal"
+    )
+    lines = ["", header, "-" * len(header)]
+    for cell, v, hf, hf_med in rows:
+        hf_cell = f"{hf:.2f}x ({hf_med:.2f}x)" if hf is not None else "-"
+        if v is None:
+            lines.append(f"{cell:<30}{'':>16}{'':>16}{'-':>16}{hf_cell:>17}")
+            continue
+        ours, theirs = v["paged_engine"], v["vllm"]
+        speed = f"{v['speedup_vs_vllm']:.2f}x ({v['speedup_vs_vllm_median']:.2f}x)"
+        ttft = f"{ours['ttft_mean_s'] * 1e3:.0f} / {theirs['ttft_mean_s'] * 1e3:.0f}"
+        cpu = f"{ours['output_tokens_per_cpu_s']:.0f} / {theirs['output_tokens_per_cpu_s']:.0f}"
+        rss = f"{ours['peak_rss_bytes'] / 2**20:.0f} / {theirs['peak_rss_bytes'] / 2**20:.0f}"
+        ratio_ok = v["speedup_vs_vllm"] >= v["target_speedup"]
+        ratio_ok_med = v["speedup_vs_vllm_median"] >= v["target_speedup"]
+        goal = _verdict(ratio_ok, ratio_ok_med) + ("" if v["ttft_mean_vs_vllm"] <= 1 else " ttft")
+        tok = [
+            f"{side['output_tokens_per_s']:>7,.0f} ({side['output_tokens_per_s_median']:>6,.0f})"
+            for side in (ours, theirs)
+        ]
+        lines.append(
+            f"{cell:<30}{tok[0]}{tok[1]}{speed:>16}{hf_cell:>17}{ttft:>22}{cpu:>19}{rss:>16}"
+            f"  {goal}"
+        )
+    lines.append(
+        "goal (issue 13): pe/vLLM >= 1.5x output tok/s and mean TTFT no worse; 'ttft' = slower "
+        "first tokens. vLLM cannot run the e2e model (head_dim 16); the vLLM rows' tiny "
+        "model has head_dim 32."
+    )
     return lines
 
 
