@@ -7,7 +7,6 @@ they are computed by a second, deliberately naive procedure or written out by ha
 
 from __future__ import annotations
 
-import hashlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,14 +15,12 @@ import pytest
 from paged_engine.config import EngineConfig
 from paged_engine.engine import progress as progress_module
 from paged_engine.engine.block_manager import BlockManager
-from paged_engine.engine.hashing import sha256_block_hash as engine_sha256
 from paged_engine.engine.llm_engine import LLMEngine, child_seed
 from paged_engine.engine.progress import Progress
 from paged_engine.engine.scheduler import Scheduler, SchedulerStats
 from paged_engine.engine.sequence import Sequence, SequenceStatus
 from paged_engine.engine.stats import RunStats, run_stats
 from paged_engine.sampling_params import SamplingParams
-from spec.hashing import sha256_block_hash as spec_sha256
 from tests.engine_machine import VOCAB, build_engine
 from tests.fake_model import FakeModelRunner
 from tests.test_faults import CONFIG as FAULTS_CONFIG
@@ -123,29 +120,6 @@ def test_engine_reset_prefix_cache_without_an_allocator_that_can() -> None:
     (out,) = engine.generate([1, 2, 3], RESET_PARAMS, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
     assert engine.reset_prefix_cache() is False
-
-
-# --------------------------------------------------------------------------------------------
-# R4 under sha256 (engine/hashing.py, spec/hashing.py): the selection hashed only with xxh64,
-# and sha256 requests only at block 0 (no prefix). The oracle is hashlib over the documented
-# bytes: the previous digest as 32 big-endian bytes, then int64 little-endian tokens.
-# --------------------------------------------------------------------------------------------
-
-
-def documented_sha256(tokens: tuple[int, ...], prefix: int | None) -> int:
-    data = b"" if prefix is None else prefix.to_bytes(32, "big")
-    data += b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
-    return int.from_bytes(hashlib.sha256(data).digest(), "big")
-
-
-@pytest.mark.parametrize("fn", [engine_sha256, spec_sha256], ids=["engine", "spec"])
-def test_sha256_chain_is_the_documented_bytes(fn: Any) -> None:
-    block0 = fn((5, -1, 2**40), None)
-    assert block0 == documented_sha256((5, -1, 2**40), None)
-    assert block0 >= 2**200  # the whole 256-bit digest (this one's top byte is not 0)
-    block1 = fn((7, 8, 9), block0)
-    assert block1 == documented_sha256((7, 8, 9), block0)
-    assert fn((7, 8, 9), 1) == documented_sha256((7, 8, 9), 1)
 
 
 # --------------------------------------------------------------------------------------------
