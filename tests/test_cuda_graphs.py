@@ -89,11 +89,17 @@ def test_fill_copies_the_rows_and_pads_the_bucket() -> None:
     assert buffers.block_tables[:4].tolist() == [
         [9, -1, -1, -1, -1], [2, 3, -1, -1, -1], [-1] * 5, [-1] * 5,
     ]  # fmt: skip
+    statics = (buffers.input_ids, buffers.positions, buffers.slot_mapping, buffers.seq_lens)
+    before = [t.clone() for t in (*statics, buffers.block_tables)]
     with pytest.raises(ValueError, match="cannot put 2 rows into bucket 1"):
         buffers.fill(1, torch.tensor([1, 2]), torch.tensor([1, 2]), narrow)
     too_wide = _decode_meta([list(range(6))], [90], 16)
     with pytest.raises(ValueError, match="6 wide do not fit the captured 5"):
         buffers.fill(1, torch.tensor([1]), torch.tensor([1]), too_wide)
+    # A refused fill writes nothing.
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, (*statics, buffers.block_tables), strict=True)
+    )
 
 
 def _toy_forward(calls: list[int]) -> Callable[..., torch.Tensor]:

@@ -129,7 +129,10 @@ def check_closed_streams(live: Live) -> None:
     for s in streams[:8]:
         s.close()
     t0 = time.monotonic()
-    half = live.wait_metrics(lambda m: m["num_requests_running"] + m["num_requests_waiting"] == 8)
+    # within a second: the bound on an abort reaching the engine
+    half = live.wait_metrics(
+        lambda m: m["num_requests_running"] + m["num_requests_waiting"] == 8, timeout=1.0
+    )
     # the aborts went through the engine loop's thread
     assert live.engine.threads == {live.server.loop.thread_id}, "engine touched by 2 threads"
     assert half["num_requests_running"] + half["num_requests_waiting"] == 8, half
@@ -138,7 +141,7 @@ def check_closed_streams(live: Live) -> None:
     assert 0 < half["kv_blocks_in_use"] <= 8 * (20 + 400) // 8
     for s in streams[8:]:
         s.close()
-    done = live.wait_metrics(idle)
+    done = live.wait_metrics(idle, timeout=2.0)
     assert idle(done) and time.monotonic() - t0 < 2.0, done
 
 

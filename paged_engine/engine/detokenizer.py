@@ -55,9 +55,9 @@ class IncrementalDetokenizer:
         it raised on are in, that one and the rest are not."""
         start = len(self.text)
         skip = self.skip_special_tokens
+        if token_ids and self.num_tokens == 0 and self._ids:
+            self._drop_incomplete_context(tokenizer)
         for t in token_ids:
-            if self.num_tokens == 0 and self._ids:
-                self._drop_incomplete_context(tokenizer)
             ids = [*self._ids, t]
             before = tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=skip)
             after = tokenizer.decode(ids[self._prefix :], skip_special_tokens=skip)

@@ -101,8 +101,8 @@ class ShmChannel:
     def name(self) -> str:
         return self.segment.name
 
-    def send(self, message: Message) -> int:
-        """Write ``message`` and wake every worker; returns the bytes written."""
+    def send(self, message: Message) -> None:
+        """Write ``message`` and wake every worker."""
         self._drop_retired()  # the workers have read them: a step ran since
         data = encode(message)
         target = self.segment
@@ -115,7 +115,6 @@ class ShmChannel:
         _write(target, data)
         for s in self.signals:
             s.release()
-        return len(data)
 
     def _drop_retired(self) -> None:
         for seg in self._retired:
@@ -172,9 +171,8 @@ class ShmReader:
 class BroadcastChannel:
     """Both sides of the ``broadcast_object_list`` hand-off."""
 
-    def send(self, message: Message) -> int:
-        dist.broadcast_object_list([message], src=0)
-        return len(encode(message))
+    def send(self, message: Message) -> None:
+        dist.broadcast_object_list([message], src=0)  # pickles ``message`` once, itself
 
     def receive(self) -> Message:
         box: list[Any] = [None]
