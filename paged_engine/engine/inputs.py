@@ -58,6 +58,8 @@ def parse_prompt(
         salt = prompt.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise TypeError(f"{where}: cache_salt must be a string, got {salt!r}")
+        if salt == "":  # as Sequence refuses it (see there)
+            raise ValueError(f"{where}: cache_salt must be a non-empty string")
         if "prompt_token_ids" in prompt:
             raw: object = prompt["prompt_token_ids"]
             text = prompt.get("prompt")

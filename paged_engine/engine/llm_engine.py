@@ -157,7 +157,10 @@ class LLMEngine:
                 # Prompt logprobs need every prompt row computed: a salt no other request
                 # has makes the prefix cache miss (R4s), without a rule of its own.
                 salt = f"{salt or ''}\x00prompt_logprobs\x00{request_id}\x00{id(parsed)}"
-            seq = Sequence(list(parsed.token_ids), child, block_size=bs, cache_salt=salt)
+            # parse_prompt checked the tokens, the config the block size (see the method).
+            seq = Sequence.from_checked_tokens(
+                list(parsed.token_ids), child, block_size=bs, cache_salt=salt
+            )
             incremental = has_tok and sp.detokenize and (stream or bool(sp.stop))
             detok = IncrementalDetokenizer(parsed.token_ids, sp.skip_special_tokens)
             completions.append(Completion(i, seq, detok if incremental else None))
