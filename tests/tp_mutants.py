@@ -31,7 +31,7 @@ class RowParallelWithoutAllReduce(RowParallelLinear):
     """o_proj and down keep each rank's partial sum: the all-reduce is missing."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.matmul(x, None)  # the weight may be oneDNN-packed (Linear's docstring)
         return out if self.bias is None else out + self.bias
 
 

@@ -222,6 +222,17 @@ def load_model(
     return model.eval(), config
 
 
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Let each layer turn its loaded weights into the form it runs on (``Linear``: a
+    oneDNN-packed copy on CPU, which empties the checkpoint-shaped one). The model runner
+    calls it after ``load_model``; ``load_model`` alone keeps the weights as the
+    checkpoint has them, which is what the loader's tests read."""
+    for module in model.modules():
+        finish = getattr(module, "process_weights_after_loading", None)
+        if finish is not None:
+            finish()
+
+
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     """The directory's tokenizer, or None when it has no tokenizer files."""
     path = Path(model_dir)

@@ -40,7 +40,7 @@ from paged_engine.layers.logprobs import prompt_logprobs, sampled_logprobs
 from paged_engine.layers.parallel import SINGLE, TPGroup, kv_head_split
 from paged_engine.layers.sampler import Sampler
 from paged_engine.sampling_params import SEED_MODULUS
-from paged_engine.utils.loader import load_model
+from paged_engine.utils.loader import load_model, process_weights_after_loading
 from paged_engine.utils.model_config import head_dim, load_config
 from paged_engine.worker.cuda_graphs import (
     CudaGraphCapture,
@@ -136,6 +136,7 @@ class ModelRunner:
             config=self.hf_config,
             tp=tp,
         )
+        process_weights_after_loading(self.model)
         self.sampler = Sampler()
         self.eos_token_ids: tuple[int, ...] = ()  # min_tokens masks them (LLM sets them)
         # any int seeds the engine: s and s + 2**64 are the same seed
