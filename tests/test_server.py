@@ -319,3 +319,21 @@ def test_the_openai_client_sees_a_bad_request_error(client: openai.OpenAI) -> No
         client.completions.create(model=MODEL, prompt="hi", max_tokens=100000)
     assert info.value.status_code == 400 and info.value.param == "max_tokens"
     assert "max_model_len" in info.value.message
+
+
+def test_the_prefix_cache_and_pool_metrics_carry_vllms_names(
+    live: Live, client: openai.OpenAI
+) -> None:
+    # Two full blocks (block size 8) of tokens no other test sends, plus one: the second
+    # request finds both blocks cached; the last prompt token is always computed.
+    prompt = [700 + i for i in range(17)]
+    before = live.metrics()
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    after = live.wait_metrics(
+        lambda m: m["prefix_cache_queries_total"] >= before["prefix_cache_queries_total"] + 34
+    )
+    assert after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"] == 34
+    assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] == 16
+    usage = after["kv_blocks_in_use"] / after["kv_blocks_total"]
+    assert after["kv_cache_usage_perc"] == pytest.approx(usage)

@@ -72,11 +72,9 @@ class ServerMetrics:
             registry=r,
         )
         self._timings: dict[str, _Timing] = {}
-        self._loop: EngineLoop | None = None
 
     def bind(self, loop: EngineLoop) -> None:
         """Export ``loop``'s engine snapshot too."""
-        self._loop = loop
         self.registry.register(_SnapshotCollector(loop))
 
     def render(self) -> bytes:
@@ -128,7 +126,8 @@ class _SnapshotCollector:
             "num_requests_waiting": ("Sequences waiting (each of n completions counts)", s.waiting),
             "kv_blocks_in_use": ("KV cache blocks held by requests", s.blocks_in_use),
             "kv_blocks_total": ("KV cache blocks in the pool", s.num_blocks),
-            "kv_cache_usage_ratio": ("Share of the KV pool in use", s.blocks_in_use / s.num_blocks),
+            # vLLM's name; a fraction in [0, 1], as vLLM's is despite the "perc".
+            "kv_cache_usage_perc": ("Share of the KV pool in use", s.blocks_in_use / s.num_blocks),
             "prefix_cache_hit_rate": (
                 "Prompt tokens served from the prefix cache over all prompt tokens",
                 s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
@@ -138,10 +137,12 @@ class _SnapshotCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         counters = {
             "prompt_tokens": ("Prompt tokens admitted", s.prompt_tokens),
-            "prefix_cache_hit_tokens": (
-                "Prompt tokens the prefix cache served",
-                s.cached_prompt_tokens,
+            # vLLM's pair: tokens looked up in the prefix cache, and those it served.
+            "prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache",
+                s.prompt_tokens,
             ),
+            "prefix_cache_hits": ("Prompt tokens the prefix cache served", s.cached_prompt_tokens),
             "generation_tokens": ("Tokens generated", s.output_tokens),
             "num_preemptions": ("Sequences preempted (recomputed later)", s.preemptions),
             "engine_steps": ("Engine steps", s.steps),
