@@ -104,5 +104,5 @@ int decode_bf16_avx512_usable(void) {
 }
 
 #ifndef HAVE_AVX512_BF16
-void decode_bf16_avx512(const Args *a) { decode_bf16_portable(a); }
+int decode_bf16_avx512(const Args *a) { return decode_bf16_portable(a); }
 #endif

@@ -27,6 +27,27 @@
  *
  * The arguments (lengths, tables) are validated, then read again with the GIL released:
  * callers must not change them from another thread during the call.
+ *
+ * Threads (run_items, below). A call's work is batch x kv_heads items, one (sequence, kv
+ * head) each, computed whole by one thread in the one order the template fixes, so the
+ * output is the same bits at any thread count. With num_threads > 1 (the launcher passes
+ * torch.get_num_threads(), read once per step) the items are claimed one at a time from an
+ * atomic counter, longest context first, by up to min(num_threads, items) threads: a thread
+ * that loses its core to another process holds back at most the one item it is in, where a
+ * static split would leave its whole share waiting. num_threads 1 runs no parallel region.
+ * Block ids and lengths are checked above, single-threaded, before any thread reads.
+ *
+ * Why OpenMP rather than a pthread pool of our own: torch's CPU ops already run on
+ * OpenMP, so the kernel's threads are torch's (no second set of threads competing for the
+ * cores), and they wait the way the process chose (paged_engine sets
+ * OMP_WAIT_POLICY=PASSIVE before torch loads libgomp: see EngineConfig.num_threads). Only
+ * GOMP_parallel and omp_get_thread_num/num_threads are used (no worksharing constructs),
+ * which every libgomp since GCC 4.9 has. The extension needs libgomp.so.1 and torch's
+ * wheel bundles its own: the dynamic loader takes whichever libgomp.so.1 is loaded first
+ * for both, so a process maps one OpenMP runtime (torch's, when torch is imported first,
+ * as the launcher does; tests/test_cpu_kernel_threads.py reads /proc/self/maps). Built
+ * without -fopenmp (setup.py drops it where the toolchain lacks it), run_items is the
+ * single-threaded loop whatever num_threads says.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,6 +55,10 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "paged_decode_cpu.h"
 
@@ -78,7 +103,52 @@ static int first_bad_sequence(const Args *a, int *bad_block) {
     return -1;
 }
 
-typedef void (*Kernel)(const Args *);
+/* A sequence index and its context length, for the longest-first order. */
+typedef struct {
+    int len, index;
+} Ranked;
+
+static int longer_first(const void *x, const void *y) {
+    const Ranked *p = x, *q = y;
+    if (p->len != q->len) return p->len > q->len ? -1 : 1;
+    return p->index < q->index ? -1 : p->index > q->index;
+}
+
+/* The items of a call, on up to a->num_threads threads (see the header comment). */
+int run_items(const Args *a, ItemFn item) {
+    const int64_t items = (int64_t)a->batch * a->kv_heads;
+    const int threads = items < a->num_threads ? (int)items : a->num_threads;
+#ifdef _OPENMP
+    if (threads > 1) {
+        /* Longest contexts first, so the last items claimed are the shortest. Without the
+         * memory, index order: the same results, only the balance differs. */
+        Ranked *order = malloc(sizeof(Ranked) * (size_t)a->batch);
+        if (order != NULL) {
+            for (int b = 0; b < a->batch; b++) order[b] = (Ranked){a->lens[b], b};
+            qsort(order, (size_t)a->batch, sizeof(Ranked), longer_first);
+        }
+        int64_t next = 0;
+        int team = 1;
+#pragma omp parallel num_threads(threads)
+        {
+            if (omp_get_thread_num() == 0) team = omp_get_num_threads();
+            for (;;) {
+                const int64_t i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+                if (i >= items) break;
+                const int64_t rank = i / a->kv_heads;
+                item(a, order != NULL ? order[rank].index : (int)rank, (int)(i % a->kv_heads));
+            }
+        }
+        free(order);
+        return team;
+    }
+#endif
+    for (int b = 0; b < a->batch; b++)
+        for (int kh = 0; kh < a->kv_heads; kh++) item(a, b, kh);
+    return 1;
+}
+
+typedef int (*Kernel)(const Args *);
 
 enum { BF16_AUTO = 0, BF16_PORTABLE = 1, BF16_AVX512 = 2 };
 static int avx512_usable; /* set once, when the module loads */
@@ -93,15 +163,20 @@ static PyObject *run_checked(PyObject *args, const char *format, const char *wha
             ? !PyArg_ParseTuple(args, format, &q, &k, &v, &tables, &lens, &out, &a.q_stride_b,
                                 &a.q_stride_h, &a.out_stride_b, &a.out_stride_h, &a.batch,
                                 &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
-                                &a.table_width, &a.num_blocks, &a.scale)
+                                &a.table_width, &a.num_blocks, &a.scale, &a.num_threads)
             : !PyArg_ParseTuple(args, format, &q, &k, &v, &tables, &lens, &out, &a.q_stride_b,
                                 &a.q_stride_h, &a.out_stride_b, &a.out_stride_h, &a.batch,
                                 &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
-                                &a.table_width, &a.num_blocks, &a.scale, impl))
+                                &a.table_width, &a.num_blocks, &a.scale, &a.num_threads, impl))
         return NULL;
     if (a.kv_heads <= 0 || a.heads % a.kv_heads || a.heads / a.kv_heads > MAX_GROUP ||
         a.head_dim <= 0 || a.head_dim > MAX_DIM || a.block_size <= 0 || a.batch < 0) {
         PyErr_Format(PyExc_ValueError, "%s: unsupported geometry", what);
+        return NULL;
+    }
+    if (a.num_threads < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: num_threads must be >= 1, got %d", what,
+                     a.num_threads);
         return NULL;
     }
     a.q = (const void *)(uintptr_t)q;
@@ -141,21 +216,22 @@ static PyObject *run_checked(PyObject *args, const char *format, const char *wha
             return NULL;
         }
     }
+    int threads;
     Py_BEGIN_ALLOW_THREADS;
-    kernel(&a);
+    threads = kernel(&a);
     Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
+    return PyLong_FromLong(threads);
 }
 
 static PyObject *paged_decode_f32(PyObject *self, PyObject *args) {
     (void)self;
-    return run_checked(args, "KKKKKKLLLLiiiiiiif", "paged_decode_f32", decode_f32, NULL);
+    return run_checked(args, "KKKKKKLLLLiiiiiiifi", "paged_decode_f32", decode_f32, NULL);
 }
 
 static PyObject *paged_decode_bf16(PyObject *self, PyObject *args) {
     (void)self;
     int impl = BF16_AUTO;
-    return run_checked(args, "KKKKKKLLLLiiiiiiifi", "paged_decode_bf16", NULL, &impl);
+    return run_checked(args, "KKKKKKLLLLiiiiiiifii", "paged_decode_bf16", NULL, &impl);
 }
 
 /* The bfloat16 variants this build and CPU run, best first (the one "auto" takes). */
@@ -165,16 +241,29 @@ static PyObject *bf16_variants(PyObject *self, PyObject *noargs) {
                          : Py_BuildValue("(s)", "portable");
 }
 
+/* Whether this build has OpenMP (else run_items is single-threaded whatever it is asked). */
+static PyObject *threaded(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+#ifdef _OPENMP
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"paged_decode_f32", paged_decode_f32, METH_VARARGS,
      "paged_decode_f32(q, k, v, tables, lens, out, q_stride_b, q_stride_h, out_stride_b, "
      "out_stride_h, batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks, "
-     "scale): raw addresses and sizes; use paged_engine.kernels.paged_decode_cpu."},
+     "scale, num_threads): raw addresses and sizes; returns the threads that ran. Use "
+     "paged_engine.kernels.paged_decode_cpu."},
     {"paged_decode_bf16", paged_decode_bf16, METH_VARARGS,
      "paged_decode_bf16(same arguments as paged_decode_f32, then variant: 0 the best, 1 "
      "portable, 2 avx512bf16): bfloat16 q, caches and out."},
     {"bf16_variants", bf16_variants, METH_NOARGS,
      "bf16_variants(): the names of the bfloat16 variants usable here, best first."},
+    {"threaded", threaded, METH_NOARGS,
+     "threaded(): whether this build runs work items in parallel (OpenMP)."},
     {NULL, NULL, 0, NULL},
 };
 

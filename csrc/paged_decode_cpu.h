@@ -1,7 +1,8 @@
 /*
  * What the CPU paged-decode kernels share: the argument record and the entry points of each
  * compiled variant. paged_decode_cpu.c parses and validates the arguments (once, for every
- * variant) and dispatches; each variant is one instantiation of paged_decode_head.h.
+ * variant) and dispatches; each variant is one instantiation of paged_decode_head.h, whose
+ * work items run_items (paged_decode_cpu.c) schedules over threads.
  */
 #ifndef PAGED_DECODE_CPU_H
 #define PAGED_DECODE_CPU_H
@@ -24,13 +25,24 @@ typedef struct {
     int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
     int batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks;
     float scale;
+    int num_threads; /* >= 1: the most threads run_items may use (the launcher's choice) */
 } Args;
 
-void decode_f32(const Args *a);          /* paged_decode_cpu.c */
-void decode_bf16_portable(const Args *a); /* paged_decode_bf16.c */
+/* One work item: sequence b against kv head kh (its G query heads), its output written in
+ * full. Each variant's is compiled for its instruction sets; run_items calls it. */
+typedef void (*ItemFn)(const Args *a, int b, int kh);
+
+/* Every (b, kh) item of a call, each computed whole by one thread (so the result is the
+ * same bits whatever the thread count); in parallel when a->num_threads > 1 and OpenMP is
+ * built in (paged_decode_cpu.c). Returns the number of threads that ran. */
+int run_items(const Args *a, ItemFn item);
+
+/* Each variant's entry point returns run_items' thread count. */
+int decode_f32(const Args *a);           /* paged_decode_cpu.c */
+int decode_bf16_portable(const Args *a); /* paged_decode_bf16.c */
 /* AVX512-BF16 dot products (paged_decode_bf16.c): 1 when this build has the variant and
  * this CPU runs it, else 0 (then decode_bf16_avx512 must not be called). */
 int decode_bf16_avx512_usable(void);
-void decode_bf16_avx512(const Args *a);
+int decode_bf16_avx512(const Args *a);
 
 #endif

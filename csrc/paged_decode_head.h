@@ -88,10 +88,14 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
     }
 }
 
-#define DH_SPECIALISE(DIM)                                                                \
-    DH_ATTR static void DH_NAME(decode_d##DIM)(const Args *a) {                          \
-        for (int b = 0; b < a->batch; b++)                                                \
-            for (int kh = 0; kh < a->kv_heads; kh++) DH_NAME(decode_head)(a, b, kh, DIM); \
+/* The work items: one copy per specialised head dim (D a constant, so the dots unroll and
+ * vectorise), each carrying DH_ATTR. run_items calls them through a pointer, from one thread
+ * or from many, so every item runs the same compiled copy at any thread count (no loop of
+ * items here for OpenMP to outline into code of another target: the same bits either way).
+ * A call per item costs nothing next to an item (a context of G heads). */
+#define DH_SPECIALISE(DIM)                                                 \
+    DH_ATTR static void DH_NAME(item_d##DIM)(const Args *a, int b, int kh) { \
+        DH_NAME(decode_head)(a, b, kh, DIM);                               \
     }
 DH_SPECIALISE(16)
 DH_SPECIALISE(32)
@@ -99,19 +103,18 @@ DH_SPECIALISE(64)
 DH_SPECIALISE(128)
 #undef DH_SPECIALISE
 
-DH_ATTR static void DH_NAME(decode_dany)(const Args *a) {
-    for (int b = 0; b < a->batch; b++)
-        for (int kh = 0; kh < a->kv_heads; kh++) DH_NAME(decode_head)(a, b, kh, a->head_dim);
+DH_ATTR static void DH_NAME(item_dany)(const Args *a, int b, int kh) {
+    DH_NAME(decode_head)(a, b, kh, a->head_dim);
 }
 
 /* The variant's entry point: 16, 32, 64 and 128 have their own copies, others the generic. */
-void DH_NAME(decode)(const Args *a) {
+int DH_NAME(decode)(const Args *a) {
     switch (a->head_dim) {
-        case 16: DH_NAME(decode_d16)(a); break;
-        case 32: DH_NAME(decode_d32)(a); break;
-        case 64: DH_NAME(decode_d64)(a); break;
-        case 128: DH_NAME(decode_d128)(a); break;
-        default: DH_NAME(decode_dany)(a); break;
+        case 16: return run_items(a, DH_NAME(item_d16));
+        case 32: return run_items(a, DH_NAME(item_d32));
+        case 64: return run_items(a, DH_NAME(item_d64));
+        case 128: return run_items(a, DH_NAME(item_d128));
+        default: return run_items(a, DH_NAME(item_dany));
     }
 }
 

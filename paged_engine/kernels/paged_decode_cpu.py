@@ -18,6 +18,14 @@ bfloat16 has two compiled variants: ``"avx512bf16"`` (AVX512-BF16 dot products) 
 Both keep every product, the softmax and the accumulator in float32, and round once, to
 the output.
 
+Threads: a call's (sequence, KV head) items run on up to ``DecodeLaunch.num_threads``
+threads (OpenMP, torch's own runtime; ``torch.get_num_threads()`` when the launch is
+checked, so once per step in the "cpu" backend), claimed one at a time, longest context
+first, so a thread that loses its core holds back one item only. Each item is computed by
+one thread in a fixed order: the output is the same bits at any count. 1 (the default on
+2-core machines, see ``EngineConfig.num_threads``) runs no parallel region;
+``cpu_kernels_threaded()`` says whether the build has OpenMP at all.
+
 The extension is optional (``setup.py``): ``cpu_kernels_problem()`` says why it is missing.
 """
 
@@ -44,7 +52,9 @@ __all__ = [
     "check_paged_decode_cpu",
     "cpu_bf16_features",
     "cpu_kernels_problem",
+    "cpu_kernels_threaded",
     "geometry_problem",
+    "kernel_threads",
     "paged_decode_attention_cpu",
     "run_paged_decode_cpu",
 ]
@@ -74,6 +84,13 @@ _MODULE, _PROBLEM = _load()
 def cpu_kernels_problem() -> str | None:
     """Why the compiled CPU kernels cannot be used, or None when they can."""
     return _PROBLEM
+
+
+def cpu_kernels_threaded() -> bool:
+    """Whether the built module runs a call's work items on several threads (it was built
+    with OpenMP: setup.py drops ``-fopenmp`` where the toolchain lacks it); False without
+    the module."""
+    return _MODULE is not None and bool(_MODULE.threaded())
 
 
 def bf16_variants() -> tuple[str, ...]:
@@ -146,6 +163,9 @@ class DecodeLaunch:
     num_blocks: int
     bf16_variant: int | None
     """The C variant code for bfloat16 (``BF16_VARIANTS``), None for float32."""
+    num_threads: int = 1
+    """The most threads a call may use over its (sequence, KV head) items: 1 runs no
+    parallel region at all; fewer are used when there are fewer items."""
 
 
 def check_paged_decode_cpu(
@@ -157,12 +177,18 @@ def check_paged_decode_cpu(
     out: torch.Tensor | None = None,
     *,
     bf16_variant: str = "auto",
+    num_threads: int | None = None,
 ) -> DecodeLaunch:
     """Every check of ``paged_decode_attention_cpu`` that depends on shapes, strides, dtypes
-    and devices only (the block ids and lengths are checked in C on every call)."""
+    and devices only (the block ids and lengths are checked in C on every call), and the
+    thread count: ``num_threads``, or ``torch.get_num_threads()`` now when None (taken once
+    here, so a backend checking once per step reads it once per step, not per layer)."""
     what = "paged_decode_attention_cpu"
     if _MODULE is None:
         raise RuntimeError(f"{what}: {_PROBLEM}")
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"{what}: num_threads must be an int >= 1, got {num_threads!r}")
     batch, num_heads, num_kv_heads, head_dim, block_size = check_query_and_tables(
         what, query, k_cache, v_cache, block_tables, one_query_per_sequence=True
     )
@@ -202,6 +228,7 @@ def check_paged_decode_cpu(
         table_width=block_tables.shape[1],
         num_blocks=k_cache.shape[0],
         bf16_variant=code if query.dtype == torch.bfloat16 else None,
+        num_threads=threads,
     )
 
 
@@ -219,8 +246,24 @@ def run_paged_decode_cpu(
     guarantees it: ``CpuAttentionBackend`` keys its per-step memo by shapes and strides)."""
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    kernel_threads(launch, query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    return out
+
+
+def kernel_threads(
+    launch: DecodeLaunch,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> int:
+    """``run_paged_decode_cpu`` into ``out``, returning how many threads the kernel ran on
+    (1 for an empty batch, or a build without OpenMP: ``cpu_kernels_threaded``)."""
     if launch.batch == 0:
-        return out
+        return 1
     module = _MODULE  # read per call: the tests swap in mutants
     if module is None:
         raise RuntimeError(f"paged_decode_attention_cpu: {_PROBLEM}")
@@ -243,12 +286,13 @@ def run_paged_decode_cpu(
         launch.table_width,
         launch.num_blocks,
         scale,
+        launch.num_threads,
     )
     if launch.bf16_variant is None:
-        module.paged_decode_f32(*args)
+        threads: int = module.paged_decode_f32(*args)
     else:
-        module.paged_decode_bf16(*args, launch.bf16_variant)
-    return out
+        threads = module.paged_decode_bf16(*args, launch.bf16_variant)
+    return threads
 
 
 def paged_decode_attention_cpu(
@@ -261,6 +305,7 @@ def paged_decode_attention_cpu(
     out: torch.Tensor | None = None,
     *,
     bf16_variant: str = "auto",
+    num_threads: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[B, H, D]``.
 
@@ -268,10 +313,18 @@ def paged_decode_attention_cpu(
     with a unit last stride, caches as ``store_kv`` writes them, ``block_tables``
     ``[B, max_blocks]`` int32 (-1 padding past each context), ``seq_lens`` ``[B]`` int32, the
     context length including the new token. q, caches and out all float32 or all bfloat16,
-    on the CPU; ``bf16_variant`` picks the bfloat16 code ("auto": the best here). A
-    zero-length context gives zeros.
+    on the CPU; ``bf16_variant`` picks the bfloat16 code ("auto": the best here);
+    ``num_threads`` bounds the threads (None: ``torch.get_num_threads()``); the result is
+    the same bits at any count. A zero-length context gives zeros.
     """
     launch = check_paged_decode_cpu(
-        query, k_cache, v_cache, block_tables, seq_lens, out, bf16_variant=bf16_variant
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        bf16_variant=bf16_variant,
+        num_threads=num_threads,
     )
     return run_paged_decode_cpu(launch, query, k_cache, v_cache, block_tables, seq_lens, scale, out)

@@ -1,0 +1,155 @@
+"""The CPU decode kernel's threads, as built: patched copies of the C driver
+(``run_items``) that tests/test_cpu_kernel_threads.py's checks must catch, the sources
+built without OpenMP (one thread, the same bits), and setup.py dropping ``-fopenmp`` only
+where the toolchain refuses it.
+"""
+
+from __future__ import annotations
+
+import runpy
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from setuptools import Distribution
+
+from paged_engine.kernels import paged_decode_cpu
+from paged_engine.kernels.paged_decode_cpu import bf16_variants, cpu_kernels_threaded
+from tests import kernel_mutants
+from tests import test_cpu_kernel_threads as checks_module
+from tests.kernel_mutants import CpuKernelMutant, build_c_mutant
+
+ROOT = checks_module.ROOT
+
+
+# ---- the scheduling mutants: patched copies of the C driver, caught by the checks above ----
+
+DECODE_SOURCES = ("csrc/paged_decode_cpu.c", "csrc/paged_decode_bf16.c")
+
+
+def build_decode_mutant(
+    name: str, file: str, patches: tuple[tuple[str, str], ...], extra_args: tuple[str, ...] = ()
+) -> Any:
+    """``build_c_mutant`` compiling the decode kernel's sources only: the library's other
+    module (``csrc/fused_ops.c``) is most of a build's time and is not loaded here."""
+    ext = kernel_mutants.setup_extension()
+    assert set(DECODE_SOURCES) <= set(ext.sources), ext.sources
+    ext.sources = [s for s in ext.sources if s in DECODE_SOURCES]
+    with mock.patch.object(kernel_mutants, "setup_extension", lambda: ext):
+        return build_c_mutant(name, file, patches, extra_args)
+
+
+THREAD_MUTANTS = (
+    CpuKernelMutant(
+        name="threads_skip_last_item",
+        file="paged_decode_cpu.c",
+        patches=(("if (i >= items) break;", "if (i >= items - 1) break;"),),
+        bug="the threads stop one item early: the last claimed item is never computed",
+    ),
+    CpuKernelMutant(
+        name="threads_more_than_items",
+        file="paged_decode_cpu.c",
+        patches=(
+            (
+                "const int threads = items < a->num_threads ? (int)items : a->num_threads;",
+                "const int threads = a->num_threads;",
+            ),
+        ),
+        bug="a call with fewer items than threads still starts every thread",
+    ),
+    CpuKernelMutant(
+        name="threads_ignored",
+        file="paged_decode_cpu.c",
+        patches=(
+            (
+                "const int threads = items < a->num_threads ? (int)items : a->num_threads;",
+                "const int threads = 1;",
+            ),
+        ),
+        bug="num_threads is ignored: every call runs on one thread",
+    ),
+)
+
+
+@pytest.mark.parametrize("mutant", THREAD_MUTANTS, ids=[m.name for m in THREAD_MUTANTS])
+def test_each_scheduling_mutant_is_caught(mutant: CpuKernelMutant) -> None:
+    module = build_decode_mutant(mutant.name, mutant.file, mutant.patches)
+    failures = []
+    checks: list[tuple[Callable[..., None], dict[str, Any]]] = [
+        (checks_module.test_the_same_bits_at_every_thread_count, {"name": n, "variant": v})
+        for n in checks_module.CASES
+        for v in (None, *bf16_variants())
+    ]
+    checks.append((checks_module.test_fewer_items_than_threads_use_fewer_threads, {}))
+    real = paged_decode_cpu._MODULE
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged_decode_cpu, "_MODULE", module)
+        for check, kwargs in checks:
+            try:
+                check(**kwargs)
+            except AssertionError as exc:
+                failures.append(f"{check.__name__}{kwargs}: {str(exc)[:80]}")
+    assert paged_decode_cpu._MODULE is real
+    assert failures, f"no check catches {mutant.name} ({mutant.bug})"
+
+
+# ---- builds without OpenMP ------------------------------------------------------------------
+
+
+def test_a_build_without_openmp_runs_one_thread_with_the_same_bits() -> None:
+    """The sources compiled with OpenMP off (what setup.py's BuildExt does where the
+    toolchain lacks it): the module builds, says it is not threaded, runs any num_threads on
+    one thread, and gives the threaded build's bits."""
+    module = build_decode_mutant("no_openmp", "paged_decode_cpu.c", (), ("-fno-openmp",))
+    assert not module.threaded()
+    t = checks_module.materialise(checks_module.CASES["ragged-gqa"], None)
+    want, ran = checks_module.run(t, None, 4)
+    assert ran == 4
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged_decode_cpu, "_MODULE", module)
+        assert not cpu_kernels_threaded()
+        got, ran = checks_module.run(t, None, 4)
+    assert ran == 1
+    assert torch.equal(got, want)
+
+
+class _Compiler:
+    """A stand-in for distutils' compiler: records what it is asked, refuses ``-fopenmp``
+    when ``openmp`` is False."""
+
+    def __init__(self, openmp: bool) -> None:
+        self.openmp = openmp
+        self.asked: list[str] = []
+
+    def compile(self, sources: list[str], **kw: Any) -> list[str]:
+        self.asked.append("compile")
+        if not self.openmp and "-fopenmp" in kw.get("extra_postargs", []):
+            raise OSError("unrecognized command-line option '-fopenmp'")
+        return ["probe.o"]
+
+    def link_executable(self, objects: list[str], name: str, **kw: Any) -> None:
+        self.asked.append("link")
+
+
+@pytest.mark.parametrize("openmp", [True, False], ids=["with-openmp", "without-openmp"])
+def test_setup_drops_openmp_only_where_the_toolchain_refuses_it(openmp: bool) -> None:
+    seen: dict[str, Any] = {}
+    with mock.patch("setuptools.setup", lambda **kw: seen.update(kw)):
+        runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    (ext,) = seen["ext_modules"]
+    assert "-fopenmp" in ext.extra_compile_args and "-fopenmp" in ext.extra_link_args
+    before = (list(ext.extra_compile_args), list(ext.extra_link_args))
+    cmd = seen["cmdclass"]["build_ext"](Distribution({"ext_modules": [ext]}))
+    cmd.extensions, cmd.compiler = [ext], _Compiler(openmp)
+    parent = type(cmd).__mro__[1]
+    with mock.patch.object(parent, "build_extensions", lambda self: None):
+        cmd.build_extensions()
+    if openmp:
+        assert (ext.extra_compile_args, ext.extra_link_args) == before
+    else:
+        assert ext.extra_compile_args == [a for a in before[0] if a != "-fopenmp"]
+        assert ext.extra_link_args == [a for a in before[1] if a != "-fopenmp"]
+        assert "-O3" in ext.extra_compile_args  # nothing else dropped
+    assert cmd.compiler.asked == (["compile", "link"] if openmp else ["compile"])
