@@ -1,9 +1,11 @@
-"""The one compiled part of paged_engine: the CPU paged-decode kernel (csrc/), float32 and
-bfloat16 in one extension.
+"""The one compiled part of paged_engine, for the CPU (csrc/), float32 and bfloat16, in one
+library: the paged-decode kernel (module ``_cpu_kernels``) and the fused small ops
+(``_fused_ops``: RMSNorm with the residual add, q/k norm with rotary, SiLU times mul).
 
 Everything else is in pyproject.toml. The extension is optional: where no C compiler is
-available the package installs without it and the "auto" attention backend uses the torch
-backend on CPU (paged_engine.kernels.paged_decode_cpu.cpu_kernels_problem says why).
+available the package installs without it, the "auto" attention backend uses the torch
+backend on CPU (paged_engine.kernels.paged_decode_cpu.cpu_kernels_problem says why) and
+the layers their torch ops.
 """
 
 import sys
@@ -52,6 +54,8 @@ setup(
             sources=[
                 "csrc/paged_decode_cpu.c",
                 "csrc/paged_decode_bf16.c",
+                # A second module in the same library (PyInit__fused_ops, PEP 489).
+                "csrc/fused_ops.c",
             ],
             # The kernel template and shared declarations: a change to either rebuilds.
             depends=["csrc/paged_decode_cpu.h", "csrc/paged_decode_head.h"],

@@ -274,6 +274,9 @@ def build_c_mutant(
     target = csrc / file
     target.write_text(apply_patches(target.read_text(), patches, name))
     ext = replace_extension(setup_extension(), csrc)
+    # The library's other module (fused small ops, tests/fused_mutants.py builds its own
+    # mutants) is most of a build's time and is never loaded from a decode mutant.
+    ext.sources = [s for s in ext.sources if Path(s).name != "fused_ops.c"]
     ext.extra_compile_args += list(extra_args)
     cmd = build_ext(Distribution({"name": f"mutant-{name}", "ext_modules": [ext]}))
     cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")

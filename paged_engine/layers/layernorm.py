@@ -1,4 +1,11 @@
-"""RMSNorm with Qwen3's exact numerics, and an optional fused residual add."""
+"""RMSNorm with Qwen3's exact numerics, and an optional fused residual add.
+
+On the CPU (float32 or bfloat16) ``RMSNorm`` runs the compiled fused kernel
+(``kernels/fused_ops_cpu.py``): the add and the norm in one pass over each row, bit for bit
+the torch ops below (which run everywhere else, and on the CPU where the kernel is not
+built). At decode that is one call instead of about eight; bench/test_fused_ops_bench.py
+measures both.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,8 @@ from typing import overload
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from paged_engine.kernels.fused_ops_cpu import MAX_COLS, add_rms_norm_cpu, fused_ok
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,6 +71,11 @@ class RMSNorm(nn.Module):
         The fused form lets a decoder layer carry the residual stream between its two norms
         without a separate add; the sum is taken in the model dtype, as transformers does.
         """
+        if x.shape[-1] <= MAX_COLS and (
+            fused_ok(x, self.weight) if residual is None else fused_ok(x, residual, self.weight)
+        ):
+            out, summed = add_rms_norm_cpu(x, residual, self.weight, self.eps)
+            return out if summed is None else (out, summed)
         if residual is None:
             return self._norm(x)
         x = residual + x

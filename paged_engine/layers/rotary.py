@@ -3,6 +3,10 @@
 cos/sin are computed per step from the positions (``positions * inv_freq``, float32) rather
 than looked up from a table: it costs ``num_tokens * head_dim / 2`` multiplies, has no
 length limit, and produces exactly transformers' values, op for op.
+
+``norm_rotate`` is Qwen3's whole q/k step (per-head RMSNorm, then the rotation). On the
+CPU it runs the compiled fused kernel in place (``kernels/fused_ops_cpu.py``; bit for bit
+the torch ops it replaces), elsewhere those torch ops.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from paged_engine.kernels.fused_ops_cpu import MAX_COLS, fused_ok, qk_norm_rope_cpu_
+from paged_engine.layers.layernorm import rms_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 
@@ -76,7 +83,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / spec.factor
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round it.
         self.inv_freq = inv_freq
-        self._memo: tuple[torch.Tensor, int, torch.dtype, tuple[torch.Tensor, ...]] | None = None
+        self._memo: (
+            tuple[torch.Tensor, int, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None
+        ) = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``[N, head_dim]`` cos and sin for each position, in ``dtype``."""
@@ -84,8 +93,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _factors(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``[N, 1, d]`` cos and "signed" sin (first half negated), made once per step.
+    def cos_signed_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, head_dim]`` cos and "signed" sin (first half negated), made once per step.
 
         Every layer of a step rotates by the same positions tensor; one instance shared by
         the layers computes the factors once. The memo is keyed by the tensor's identity
@@ -99,8 +110,7 @@ class RotaryEmbedding(nn.Module):
             return memo[3]
         cos, sin = self.cos_sin(positions, dtype)
         half = self.head_dim // 2
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        factors = (cos[:, None, :], signed_sin[:, None, :])
+        factors = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
         self._memo = (positions, version, dtype, factors)
         return factors
 
@@ -110,10 +120,41 @@ class RotaryEmbedding(nn.Module):
         ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``, computed as
         ``[x2, x1] * [-sin, sin]``: the same products (IEEE negation is exact), one op fewer.
         """
-        cos, signed_sin = self._factors(positions, x.dtype)
+        cos, signed_sin = self.cos_signed_sin(positions, x.dtype)
         half = self.head_dim // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + swapped * signed_sin
+        return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
+
+    def norm_rotate(
+        self,
+        positions: torch.Tensor,
+        qk: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        num_q_heads: int,
+        eps: float,
+    ) -> torch.Tensor:
+        """Qwen3's q/k step on ``qk`` ``[N, heads, d]`` (its first ``num_q_heads`` heads are
+        q, the rest k): each head RMSNormed with ``q_weight`` or ``k_weight`` ``[d]``, then
+        rotated. On the CPU, in place (``qk`` is overwritten and returned: pass a buffer
+        nothing else reads, like the qkv projection's output); elsewhere a new tensor.
+
+        The torch form norms q and k side by side, ``[N, H + kvh, d]``, in one call: each
+        head's norm is per row, so this is op for op the separate ``q_norm``/``k_norm``.
+        """
+        if (
+            qk.dim() == 3
+            and qk.shape[-1] == self.head_dim <= MAX_COLS
+            and qk.stride(1) == self.head_dim
+            and fused_ok(qk, q_weight, k_weight)
+        ):
+            cos, signed_sin = self.cos_signed_sin(positions, qk.dtype)
+            return qk_norm_rope_cpu_(qk, q_weight, k_weight, num_q_heads, eps, cos, signed_sin)
+        heads, d = qk.shape[-2], qk.shape[-1]
+        weight = torch.cat(
+            (q_weight.expand(num_q_heads, d), k_weight.expand(heads - num_q_heads, d))
+        )
+        return self.rotate(positions, rms_norm(qk, weight, eps))
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -22,7 +22,7 @@ from torch import nn
 from paged_engine.layers.activation import SiluAndMul
 from paged_engine.layers.attention import Attention, AttentionBackend
 from paged_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from paged_engine.layers.layernorm import RMSNorm, rms_norm
+from paged_engine.layers.layernorm import RMSNorm
 from paged_engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -96,14 +96,16 @@ class Qwen3Attention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """q and k are normed and rotated side by side, ``[N, H + kvh, d]``, in one pass:
-        each head's norm and rotation are per row, so this is op for op the separate
-        ``q_norm``/``k_norm`` and rotations, with half the kernel launches."""
+        """q and k are normed and rotated side by side, ``[N, H + kvh, d]``, in one pass
+        (``RotaryEmbedding.norm_rotate``: in place in the qkv output on the CPU): each
+        head's norm and rotation are per row, so this is op for op the separate
+        ``q_norm``/``k_norm`` and rotations, with fewer kernel launches."""
         n, h, kvh, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden)
         qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
-        weight = torch.cat((self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(kvh, d)))
-        qk = self.rotary_emb.rotate(positions, rms_norm(qk, weight, self.q_norm.eps))
+        qk = self.rotary_emb.norm_rotate(
+            positions, qk, self.q_norm.weight, self.k_norm.weight, h, self.q_norm.eps
+        )
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
         out = self.attn(qk[:, :h], qk[:, h:], v)
         result: torch.Tensor = self.o_proj(out)

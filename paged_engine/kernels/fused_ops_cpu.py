@@ -1,0 +1,284 @@
+"""Launcher for the compiled fused small ops (``csrc/fused_ops.c``): residual add + RMSNorm,
+per-head q/k RMSNorm + rotary in place, and silu(gate) * up, on CPU tensors.
+
+The kernels read raw addresses, so everything they could misread is checked here first
+(dtypes, devices, shapes, unit last strides) and a bad argument raises ``ValueError``
+before anything is written. The readable references are in ``fused_ops_ref.py``; the layer
+modules (``layers/layernorm.py``, ``rotary.py``, ``activation.py``) call these on the CPU
+when ``fused_ok`` says the tensors qualify, and torch's ops everywhere else.
+
+The norms are bit for bit torch's op chain only if their mean square adds its squares in
+the order of torch's own CPU sum, whose vector width depends on how torch was built and on
+the CPU: ``torch_sum_lanes`` measures it once (a three-element probe, below) and without a
+width the kernel knows, ``fused_ok`` is False and the modules stay on torch.
+
+The kernels live in the ``_cpu_kernels`` library as a second module, ``_fused_ops`` (PEP
+489 allows several in one library): an older build without it leaves ``fused_ops_problem``
+set and the modules on torch.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+from functools import cache
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "MAX_COLS",
+    "PARALLEL_MIN_ELEMENTS",
+    "add_rms_norm_cpu",
+    "fused_ok",
+    "fused_ops_problem",
+    "qk_norm_rope_cpu_",
+    "silu_and_mul_cpu",
+    "torch_sum_lanes",
+]
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""The dtypes the kernels take, with the code the C entry points read."""
+MAX_COLS = 16384
+"""The longest row (hidden size or head dim) the norm kernels take (csrc's MAX_COLS)."""
+PARALLEL_MIN_ELEMENTS = 1 << 16
+"""Below this many elements a call runs on one thread (torch's own parallel grain is 32K):
+a choice, not a tuned figure. Above it, ``torch.get_num_threads()`` threads where the
+library is built with OpenMP (each row whole on one thread: the bits do not change)."""
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    spec = importlib.util.find_spec("paged_engine._cpu_kernels")
+    if spec is None or spec.origin is None:
+        return None, "the compiled CPU kernels are not built (no paged_engine._cpu_kernels)"
+    name = "paged_engine._fused_ops"
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(name, spec.origin)
+        fused_spec = importlib.util.spec_from_file_location(name, spec.origin, loader=loader)
+        assert fused_spec is not None
+        module = importlib.util.module_from_spec(fused_spec)
+        loader.exec_module(module)
+    except ImportError as exc:
+        return None, f"the compiled CPU kernels predate the fused ops ({exc}); rebuild them"
+    return module, None
+
+
+_MODULE, _PROBLEM = _load()
+
+
+def fused_ops_problem() -> str | None:
+    """Why the fused CPU kernels cannot be used, or None when they can."""
+    return _PROBLEM
+
+
+@cache
+def torch_sum_lanes() -> int | None:
+    """How many float32 lanes torch's CPU sum keeps apart (8 for AVX2-width vectors, 16 for
+    AVX-512), or None when its order is not the lane cascade the kernels reproduce.
+
+    The probe: ``2**24`` in element 0, ``-2**24`` in the last, ``1`` in element ``j``. The
+    lanes are summed apart and then left to right from lane 0, so the 1 survives exactly
+    when it shares the last element's lane (``1 - 2**24`` is exact; ``2**24 + 1`` is not).
+    """
+    n, big = 64, 2.0**24
+    survivors = []
+    for j in range(1, n - 1):
+        x = torch.zeros(n)
+        x[0], x[j], x[n - 1] = big, 1.0, -big
+        if float(x.sum()) == 1.0:
+            survivors.append(j)
+    for lanes in (8, 16):
+        if survivors == [j for j in range(1, n - 1) if j % lanes == lanes - 1]:
+            return lanes
+    return None
+
+
+def fused_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: all on the CPU, all float32 or all bfloat16,
+    with a unit last stride, none needing a gradient, and the kernels built with a known
+    sum order. A few attribute reads a tensor: the modules ask on every call."""
+    if _MODULE is None or torch_sum_lanes() is None:
+        return False
+    dtype = tensors[0].dtype
+    if dtype not in DTYPES:
+        return False
+    grad = torch.is_grad_enabled()
+    return all(
+        t.is_cpu
+        and t.dtype == dtype
+        and not (grad and t.requires_grad)
+        and (t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1)
+        for t in tensors
+    )
+
+
+def _threads(elements: int) -> int:
+    return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
+
+
+def _module(what: str) -> ModuleType:
+    module = _MODULE  # read per call: tests swap in mutants
+    if module is None:
+        raise RuntimeError(f"{what}: {_PROBLEM}")
+    return module
+
+
+def _lanes(what: str) -> int:
+    lanes = torch_sum_lanes()
+    if lanes is None:
+        raise RuntimeError(f"{what}: torch's CPU sum order is not one this kernel reproduces")
+    return lanes
+
+
+def _check(what: str, dtype: torch.dtype, **tensors: torch.Tensor) -> None:
+    """Every tensor on the CPU, of ``dtype`` (float32 or bfloat16), with a unit last stride
+    and no lazy negation (the kernel would read the raw, unnegated data)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"{what}: only float32 and bfloat16 are supported, got {dtype}")
+    for name, t in tensors.items():
+        if not t.is_cpu:
+            raise ValueError(f"{what}: {name} must be on the CPU, got {t.device}")
+        if t.dtype != dtype:
+            raise ValueError(f"{what}: {name} is {t.dtype}, expected {dtype} like the input")
+        if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"{what}: {name} needs a unit last stride, got {t.stride()}")
+        if t.is_neg():
+            raise ValueError(f"{what}: {name} is a lazily negated view; resolve_neg() it first")
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` as ``[rows, n]``: itself when 2-D, else a view where torch can make one (a
+    copy otherwise); the last stride stays 1 either way."""
+    return t if t.dim() == 2 else t.reshape(-1, n)
+
+
+def add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(x + residual) * weight, x + residual)``, or ``(rms_norm(x) * weight,
+    None)`` without a residual, over the last axis; new tensors shaped like ``x``, the
+    inputs untouched. Bit for bit ``fused_ops_ref.add_rms_norm_ref``."""
+    what = "add_rms_norm_cpu"
+    others = {} if residual is None else {"residual": residual}
+    _check(what, x.dtype, x=x, weight=weight, **others)
+    n = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or weight.shape != (n,):
+        raise ValueError(f"{what}: weight {tuple(weight.shape)} must be [{n}], x's last axis")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"{what}: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    if not 1 <= n <= MAX_COLS:
+        raise ValueError(f"{what}: rows of {n} elements; 1 to {MAX_COLS} supported")
+    module, lanes = _module(what), _lanes(what)
+    x2 = _rows(x, n)
+    r2 = None if residual is None else _rows(residual, n)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    rows = x2.shape[0]
+    if rows:
+        module.add_rms_norm(
+            x2.data_ptr(),
+            x2.stride(0),
+            0 if r2 is None else r2.data_ptr(),
+            0 if r2 is None else r2.stride(0),
+            out.data_ptr(),
+            n,
+            0 if res_out is None else res_out.data_ptr(),
+            n,
+            weight.data_ptr(),
+            rows,
+            n,
+            eps,
+            DTYPES[x.dtype],
+            lanes,
+            _threads(rows * n),
+        )
+    return out, res_out
+
+
+def qk_norm_rope_cpu_(
+    qk: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    num_q_heads: int,
+    eps: float,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+) -> torch.Tensor:
+    """Qwen3's q/k step in place on ``qk`` ``[N, heads, d]`` (q heads first, then k heads;
+    heads contiguous within a token, tokens at any stride): each head RMSNormed with
+    ``q_weight`` or ``k_weight`` ``[d]``, then rotated by ``cos`` and ``signed_sin``
+    ``[N, d]`` (sin with its first half negated, ``RotaryEmbedding.cos_signed_sin``).
+    Returns ``qk``. Bit for bit ``fused_ops_ref.qk_norm_rope_ref``."""
+    what = "qk_norm_rope_cpu_"
+    _check(what, qk.dtype, qk=qk, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=signed_sin)
+    if qk.dim() != 3 or qk.stride(1) != qk.shape[2]:
+        raise ValueError(
+            f"{what}: qk must be [tokens, heads, head_dim] with contiguous heads, got "
+            f"shape {tuple(qk.shape)} strides {qk.stride()}"
+        )
+    tokens, heads, d = qk.shape
+    if not 0 <= num_q_heads <= heads:
+        raise ValueError(f"{what}: num_q_heads {num_q_heads} is not in [0, {heads}]")
+    if q_weight.shape != (d,) or k_weight.shape != (d,):
+        raise ValueError(
+            f"{what}: q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} "
+            f"must be [{d}]"
+        )
+    if cos.shape != (tokens, d) or signed_sin.shape != (tokens, d):
+        raise ValueError(
+            f"{what}: cos {tuple(cos.shape)} and sin {tuple(signed_sin.shape)} must be "
+            f"[{tokens}, {d}]"
+        )
+    if cos.stride(0) != signed_sin.stride(0):
+        raise ValueError(f"{what}: cos and sin need one row stride, got {cos.stride()}")
+    if d % 2 or not 2 <= d <= MAX_COLS:
+        raise ValueError(f"{what}: head_dim {d} must be even and at most {MAX_COLS}")
+    module, lanes = _module(what), _lanes(what)
+    if tokens and heads:
+        module.qk_norm_rope(
+            qk.data_ptr(),
+            qk.stride(0),
+            tokens,
+            num_q_heads,
+            heads,
+            q_weight.data_ptr(),
+            k_weight.data_ptr(),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            cos.stride(0),
+            d,
+            eps,
+            DTYPES[qk.dtype],
+            lanes,
+            _threads(tokens * heads * d),
+        )
+    return qk
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` along the last axis: a new tensor with
+    half of ``x``'s last axis. Close to ``fused_ops_ref.silu_and_mul_ref``, not equal (glibc's
+    expf against torch's exp; see csrc/fused_ops.c)."""
+    what = "silu_and_mul_cpu"
+    _check(what, x.dtype, x=x)
+    width = x.shape[-1] if x.dim() else 1
+    if width % 2:
+        raise ValueError(f"{what}: the last axis must be even ([gate | up]), got {width}")
+    module = _module(what)
+    x2 = _rows(x, width)
+    d = width // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    rows = x2.shape[0]
+    if rows and d:
+        module.silu_and_mul(
+            x2.data_ptr(),
+            x2.stride(0),
+            out.data_ptr(),
+            d,
+            rows,
+            d,
+            DTYPES[x.dtype],
+            _threads(rows * width),
+        )
+    return out

@@ -1,0 +1,382 @@
+"""The fused small ops (csrc/fused_ops.c through kernels/fused_ops_cpu.py) against their
+readable references (kernels/fused_ops_ref.py), and the layer modules that call them.
+
+The norms and the rotation must equal the references bit for bit in float32 and bfloat16
+(so the model's float32 logits stay transformers'); the activation must be within 1e-6
+relative (about 8 float32 ulps) in float32 and one bfloat16 rounding step (2**-6 relative,
+99% of elements bit for bit) in bfloat16. tests/fused_mutants.py's mutants must each fail
+the same check the real kernel passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paged_engine.kernels import fused_ops_cpu
+from paged_engine.kernels.fused_ops_cpu import (
+    MAX_COLS,
+    add_rms_norm_cpu,
+    fused_ops_problem,
+    qk_norm_rope_cpu_,
+    silu_and_mul_cpu,
+    torch_sum_lanes,
+)
+from paged_engine.kernels.fused_ops_ref import (
+    add_rms_norm_ref,
+    qk_norm_rope_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
+)
+from paged_engine.layers.activation import SiluAndMul
+from paged_engine.layers.layernorm import RMSNorm, rms_norm
+from paged_engine.layers.rotary import RopeSpec, RotaryEmbedding
+from tests.fused_mutants import MUTANTS, FusedMutant
+
+F32, BF16 = torch.float32, torch.bfloat16
+EPS = 1e-6
+
+
+def test_the_kernels_are_built_and_torch_sum_order_is_known() -> None:
+    """A silently missing build or an unknown sum order would move every norm back to
+    torch without a word: both must fail here."""
+    assert fused_ops_problem() is None, fused_ops_problem()
+    assert torch_sum_lanes() in (8, 16)
+
+
+# ----------------------------------------------------------------------- add + RMSNorm
+
+
+def norm_inputs(
+    rows: int, n: int, residual: bool, dtype: torch.dtype, strided: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    width = n + 5 if strided else n  # rows at a stride wider than the row
+    scale = float(torch.empty(()).uniform_(0.05, 30.0, generator=gen))
+    x = (torch.randn(rows, width, generator=gen) * scale).to(dtype)[:, :n]
+    res = (torch.randn(rows, width, generator=gen) * 2).to(dtype)[:, :n] if residual else None
+    weight = (torch.rand(n, generator=gen) + 0.5).to(dtype)
+    return x, res, weight
+
+
+def check_norm(rows: int, n: int, residual: bool, dtype: torch.dtype, strided: bool, seed: int):
+    x, res, weight = norm_inputs(rows, n, residual, dtype, strided, seed)
+    before = (x.clone(), None if res is None else res.clone())
+    got, got_sum = add_rms_norm_cpu(x, res, weight, EPS)
+    want, want_sum = add_rms_norm_ref(x, res, weight, EPS)
+    assert torch.equal(got, want), f"norm differs: {rows}x{n} {dtype} residual={residual}"
+    assert (got_sum is None) == (res is None)
+    if got_sum is not None:
+        assert torch.equal(got_sum, want_sum), "residual sum differs"
+    if dtype == F32 and res is None:  # the float32 path the modules used before: F.rms_norm
+        assert torch.equal(got, F.rms_norm(x, (n,), weight, EPS))
+    assert torch.equal(x, before[0]) and (res is None or torch.equal(res, before[1]))
+
+
+NORM_CASES = [
+    (7, 48, True, F32, False, 0),
+    (5, 512, True, BF16, True, 1),
+    (6, 512, False, F32, True, 2),
+    (3, 9000, True, F32, False, 3),  # long enough for the sum's second cascade level
+    (4, 6, True, F32, False, 4),  # shorter than a vector: torch's scalar order
+    (9, 100, True, BF16, False, 5),
+]
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=str)
+def test_add_rms_norm_matches_reference_bitwise(case: tuple[Any, ...]) -> None:
+    check_norm(*case)
+
+
+@given(
+    rows=st.integers(0, 9),
+    n=st.sampled_from([1, 3, 7, 8, 15, 16, 17, 48, 64, 100, 512, 1000, 2048, 8200, 12289]),
+    residual=st.booleans(),
+    dtype=st.sampled_from([F32, BF16]),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_add_rms_norm_is_bitwise_for_any_shape(rows, n, residual, dtype, strided, seed) -> None:
+    check_norm(rows, n, residual, dtype, strided, seed)
+
+
+# ----------------------------------------------------------------------- q/k norm + rope
+
+
+def check_qk(tokens: int, q_heads: int, k_heads: int, d: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (q_heads + 2 * k_heads) * d, generator=gen) * 3).to(dtype)
+    qk = qkv[:, : (q_heads + k_heads) * d].view(tokens, q_heads + k_heads, d)
+    v_before = qkv[:, (q_heads + k_heads) * d :].clone()
+    wq = (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    wk = (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    positions = torch.randint(0, 40000, (tokens,), generator=gen)
+    rotary = RotaryEmbedding(d, RopeSpec(theta=1e6))
+    cos, sin = rotary.cos_sin(positions, dtype)
+    want = qk_norm_rope_ref(qk, wq, wk, q_heads, EPS, cos, sin)
+    cos2, signed_sin = rotary.cos_signed_sin(positions, dtype)
+    got = qk_norm_rope_cpu_(qk, wq, wk, q_heads, EPS, cos2, signed_sin)
+    assert got.data_ptr() == qk.data_ptr(), "not in place"
+    assert torch.equal(qk, want), f"q/k differ: {tokens}x({q_heads}+{k_heads})x{d} {dtype}"
+    assert torch.equal(qkv[:, (q_heads + k_heads) * d :], v_before), "v was written"
+
+
+QK_CASES = [(9, 8, 4, 64, F32, 0), (5, 4, 2, 128, BF16, 1), (3, 2, 1, 6, F32, 2)]
+
+
+@pytest.mark.parametrize("case", QK_CASES, ids=str)
+def test_qk_norm_rope_matches_reference_bitwise(case: tuple[Any, ...]) -> None:
+    check_qk(*case)
+
+
+@given(
+    tokens=st.integers(0, 12),
+    q_heads=st.integers(0, 6),
+    k_heads=st.integers(1, 3),
+    d=st.sampled_from([2, 6, 16, 24, 64, 128, 256]),
+    dtype=st.sampled_from([F32, BF16]),
+    seed=st.integers(0, 2**16),
+)
+def test_qk_norm_rope_is_bitwise_for_any_shape(tokens, q_heads, k_heads, d, dtype, seed) -> None:
+    check_qk(tokens, q_heads, k_heads, d, dtype, seed)
+
+
+def test_the_reference_is_the_torch_path_the_gpu_runs() -> None:
+    """``norm_rotate``'s torch branch (CUDA, or a CPU without the kernels) and the
+    reference agree bit for bit, so the kernel's reference is also the GPU's numerics."""
+    for dtype in (F32, BF16):
+        torch.manual_seed(7)
+        qk = (torch.randn(6, 6, 32) * 2).to(dtype)
+        wq, wk = (torch.rand(32) + 0.5).to(dtype), (torch.rand(32) + 0.5).to(dtype)
+        positions = torch.tensor([0, 3, 9, 100, 2047, 30000])
+        rotary = RotaryEmbedding(32, RopeSpec(theta=1e4))
+        weight = torch.cat((wq.expand(4, 32), wk.expand(2, 32)))
+        torch_path = rotary.rotate(positions, rms_norm(qk, weight, EPS))
+        cos, sin = rotary.cos_sin(positions, dtype)
+        assert torch.equal(torch_path, qk_norm_rope_ref(qk, wq, wk, 4, EPS, cos, sin))
+        x = (torch.randn(5, 32) * 3).to(dtype)
+        assert torch.equal(rms_norm(x, wq, EPS), rms_norm_ref(x, wq, EPS))
+
+
+# ---------------------------------------------------------------------------- silu * up
+
+
+def check_silu(rows: int, d: int, dtype: torch.dtype, scale: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 2 * d, generator=gen) * scale).to(dtype)
+    got, want = silu_and_mul_cpu(x), silu_and_mul_ref(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if dtype == F32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
+        return
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= 2**-6 * want.float().abs() + 1e-30).all()), float(diff.max())
+    same = float((got == want).float().mean()) if got.numel() else 1.0
+    assert same >= 0.99, f"only {same:.3f} of bfloat16 results equal torch's"
+
+
+SILU_CASES = [(33, 1792, F32, 4.0, 0), (33, 1792, BF16, 4.0, 1), (5, 3, F32, 1.0, 2)]
+
+
+@pytest.mark.parametrize("case", SILU_CASES, ids=str)
+def test_silu_and_mul_is_close_to_reference(case: tuple[Any, ...]) -> None:
+    check_silu(*case)
+
+
+@given(
+    rows=st.integers(0, 6),
+    d=st.integers(0, 300),
+    dtype=st.sampled_from([F32, BF16]),
+    scale=st.sampled_from([0.1, 1.0, 8.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_silu_and_mul_is_close_for_any_shape(rows, d, dtype, scale, seed) -> None:
+    check_silu(rows, d, dtype, scale, seed)
+
+
+def test_silu_of_very_negative_gates_is_zero_not_nan() -> None:
+    # fast-math's reciprocal of an infinite 1 + exp(-g) would be NaN (csrc/fused_ops.c).
+    x = torch.tensor([[-1e4, -200.0, -89.0, 5.0, 1.0, 1.0, 2.0, 3.0]])
+    got = silu_and_mul_cpu(x)
+    assert bool(torch.isfinite(got).all()) and bool((got[0, :3].abs() < 1e-30).all())
+
+
+# ------------------------------------------------------------------------------- mutants
+
+CHECKS = {
+    "norm": lambda: [check_norm(*case) for case in NORM_CASES],
+    "qk": lambda: [check_qk(*case) for case in QK_CASES],
+    "silu": lambda: [check_silu(*case) for case in SILU_CASES],
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_each_mutant_fails_the_check_the_kernel_passes(mutant: FusedMutant) -> None:
+    CHECKS[mutant.op]()  # the real kernel passes
+    with mutant.active(), pytest.raises(AssertionError):
+        CHECKS[mutant.op]()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+T = dict[str, torch.Tensor]
+BAD_CALLS: list[tuple[Any, str]] = [
+    (lambda t: add_rms_norm_cpu(t["x"], t["r"].bfloat16(), t["w"], EPS), "residual is torch.bf"),
+    (lambda t: add_rms_norm_cpu(t["x"], t["r"], t["w"][:15], EPS), r"weight \(15,\)"),
+    (lambda t: add_rms_norm_cpu(t["x"], t["r"][:2], t["w"], EPS), "residual"),
+    (lambda t: add_rms_norm_cpu(t["x"].double(), None, t["w"].double(), EPS), "only float32"),
+    (lambda t: add_rms_norm_cpu(t["x"].to("meta"), None, t["w"], EPS), "must be on the CPU"),
+    (lambda t: add_rms_norm_cpu(t["x"].t(), None, t["w"][:3], EPS), "unit last stride"),
+    (
+        lambda t: add_rms_norm_cpu(
+            torch.ones(1, MAX_COLS + 1), None, torch.ones(MAX_COLS + 1), EPS
+        ),
+        "rows of",
+    ),
+    (lambda t: qk_norm_rope_cpu_(t["qk"], t["w8"], t["w8"], 2, EPS, t["c"][:1], t["s"]), "cos"),
+    (lambda t: qk_norm_rope_cpu_(t["qk"], t["w8"], t["w8"], 4, EPS, t["c"], t["s"]), "heads 4"),
+    (lambda t: qk_norm_rope_cpu_(t["qk"], t["w8"], t["w8"][:4], 2, EPS, t["c"], t["s"]), "k_we"),
+    (
+        lambda t: qk_norm_rope_cpu_(
+            t["qk"].transpose(0, 1), t["w8"], t["w8"], 1, EPS, t["c"], t["s"]
+        ),
+        "contiguous heads",
+    ),
+    (
+        lambda t: qk_norm_rope_cpu_(t["qk"], t["w8"], t["w8"], 2, EPS, t["c"], t["s"].bfloat16()),
+        "sin is torch.bfloat16",
+    ),
+    (
+        lambda t: qk_norm_rope_cpu_(
+            t["qk"].view(2, 24)[:, :21].view(2, 3, 7),
+            t["w8"][:7],
+            t["w8"][:7],
+            2,
+            EPS,
+            t["c"][:, :7],
+            t["s"][:, :7],
+        ),
+        "head_dim 7 must be even",
+    ),
+    (lambda t: silu_and_mul_cpu(t["x"][:, :15]), "must be even"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(BAD_CALLS)))
+def test_bad_input_raises_clearly_and_writes_nothing(index: int) -> None:
+    x, r, w = norm_inputs(3, 16, True, F32, False, 0)
+    assert r is not None
+    tensors: T = {
+        "x": x,
+        "r": r,
+        "w": w,
+        "qk": torch.randn(2, 3, 8),
+        "w8": torch.rand(8) + 0.5,
+        "c": torch.randn(2, 8),
+        "s": torch.randn(2, 8),
+    }
+    before = {k: v.clone() for k, v in tensors.items()}
+    call, message = BAD_CALLS[index]
+    with pytest.raises(ValueError, match=message):
+        call(tensors)
+    for name, value in tensors.items():
+        assert torch.equal(value, before[name]), f"{name} was changed"
+
+
+# ---------------------------------------------------------------------- the layer modules
+
+
+class Recorder:
+    """The real kernels module, counting the calls that reach it."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.calls = real, []  # type: list[str]
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            self.calls.append(name)
+            return getattr(self.real, name)(*args)
+
+        return call
+
+
+def recording() -> Any:
+    return mock.patch.object(fused_ops_cpu, "_MODULE", Recorder(fused_ops_cpu._MODULE))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_the_modules_run_the_kernels_on_cpu_and_match_the_references(dtype) -> None:
+    x, res, weight = norm_inputs(5, 64, True, dtype, False, 11)
+    assert res is not None
+    norm = RMSNorm(64, eps=EPS).to(dtype)
+    norm.weight.data.copy_(weight)
+    rotary = RotaryEmbedding(16, RopeSpec(theta=1e6))
+    qk = (torch.randn(5, 6, 16) * 2).to(dtype)
+    positions = torch.arange(5) * 7
+    gate_up = torch.randn(5, 64).to(dtype)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    want_qk = qk_norm_rope_ref(qk, weight[:16], weight[16:32], 4, EPS, cos, sin)
+    with recording() as rec:
+        normed, summed = norm(x, res)
+        alone = norm(x)
+        rotated = rotary.norm_rotate(positions, qk, weight[:16], weight[16:32], 4, EPS)
+        act = SiluAndMul()(gate_up)
+    assert rec.calls == ["add_rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul"]
+    want, want_sum = add_rms_norm_ref(x, res, weight, EPS)
+    assert torch.equal(normed, want) and torch.equal(summed, want_sum)
+    assert torch.equal(alone, rms_norm_ref(x, weight, EPS))
+    assert rotated is qk and torch.equal(qk, want_qk)
+    assert act.shape == (5, 32)
+
+
+def test_the_modules_keep_torch_where_a_gradient_is_needed_or_the_dtype_is_other() -> None:
+    norm = RMSNorm(32, eps=EPS)
+    x = torch.randn(3, 32, requires_grad=True)
+    with recording() as rec:
+        out = norm(x)
+        out.sum().backward()
+        SiluAndMul()(torch.randn(3, 8, dtype=torch.float64))
+        RMSNorm(32).double()(torch.randn(2, 32, dtype=torch.float64))
+    assert rec.calls == []
+    assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+    assert torch.equal(out, rms_norm_ref(x, norm.weight, EPS))
+
+
+def test_threads_change_no_bit() -> None:
+    """Each row is computed whole by one thread (csrc/fused_ops.c's run_ranges)."""
+    module = fused_ops_cpu._MODULE
+    x = torch.randn(300, 512)
+    w = torch.rand(512) + 0.5
+    outs, teams = [], []
+    for threads in (1, 3):
+        out = torch.empty_like(x)
+        teams.append(
+            module.add_rms_norm(
+                x.data_ptr(),
+                512,
+                0,
+                0,
+                out.data_ptr(),
+                512,
+                0,
+                512,
+                w.data_ptr(),
+                300,
+                512,
+                EPS,
+                0,
+                torch_sum_lanes(),
+                threads,
+            )
+        )
+        outs.append(out)
+    assert teams[0] == 1 and teams[1] >= 1
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], rms_norm_ref(x, w, EPS))
