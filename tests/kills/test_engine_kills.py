@@ -7,6 +7,7 @@ they are computed by a second, deliberately naive procedure or written out by ha
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -341,3 +342,106 @@ def test_abort_leaves_no_output_records() -> None:
     outputs.behind[request.completions[0]] = request  # as if its text were still pending
     assert engine.abort_request("a") is True
     assert not outputs.owner and not outputs.behind and not outputs.pending
+
+
+# Progress's tqdm settings (engine/progress.py): kills xǁProgressǁ__init____mutmut_9, 13, 17
+# (the bar stops following the terminal's width) and update__mutmut_16, 19 (a terminal
+# redraw forced every step, which the class docstring rules out). A fake tqdm records what
+# the bar is asked to do; the selection never looked.
+# --------------------------------------------------------------------------------------------
+
+
+class RecordingBar:
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.postfixes: list[tuple[str, Any]] = []
+        self.n = 0
+
+    def set_postfix_str(self, s: str = "", refresh: Any = True) -> None:  # tqdm's default
+        self.postfixes.append((s, refresh))
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_bar_follows_the_terminal_width_and_never_redraws_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(progress_module, "tqdm", RecordingBar)
+    bar = Progress(2, SchedulerStats(), enabled=True)
+    fake = bar._bar
+    assert isinstance(fake, RecordingBar)
+    assert fake.kwargs == {"total": 2, "desc": "generate", "disable": False, "dynamic_ncols": True}
+    bar.update(["done"])
+    bar.update([])
+    assert [bool(refresh) for _, refresh in fake.postfixes] == [False, False]  # as tqdm reads it
+    assert fake.n == 1
+
+
+# LLMEngine's eos_token_id check (engine/llm_engine.py): kills xǁLLMEngineǁ__init____mutmut_23
+# (the refusal without its message).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eos", [-1, True])
+def test_a_bad_eos_token_id_is_refused_by_name(eos: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        build_engine(RESET_CONFIG, spec=False, eos=eos)
+    assert str(info.value) == f"eos_token_id must hold ints >= 0, got {eos!r}"
+
+
+# LLMEngine's other construction refusals (engine/llm_engine.py): kills
+# xǁLLMEngineǁ__init____mutmut_4 to 7 (the unknown pool's message), 8 (a vocab_size that is
+# not an int let through), 10 and 11 (a vocabulary of one token refused) and 12 (no message).
+# --------------------------------------------------------------------------------------------
+
+
+def _runner() -> FakeModelRunner:
+    pool, bs = RESET_CONFIG.num_kvcache_blocks, RESET_CONFIG.kvcache_block_size
+    assert pool is not None
+    return FakeModelRunner(pool, bs, VOCAB)
+
+
+def test_an_engine_without_a_pool_size_is_refused_by_name() -> None:
+    config = dataclasses.replace(RESET_CONFIG, num_kvcache_blocks=None)
+    with pytest.raises(ValueError) as info:
+        LLMEngine(_runner(), config, vocab_size=VOCAB)
+    assert str(info.value) == "the KV pool size is unknown: set config.num_kvcache_blocks"
+
+
+@pytest.mark.parametrize("vocab", [0, "8", 2.0])
+def test_a_bad_vocab_size_is_refused_by_name(vocab: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        LLMEngine(_runner(), RESET_CONFIG, vocab_size=vocab)
+    assert str(info.value) == f"vocab_size must be an int >= 1, got {vocab!r}"
+
+
+def test_a_vocabulary_of_one_token_is_accepted() -> None:
+    engine = LLMEngine(_runner(), RESET_CONFIG, vocab_size=1)
+    assert engine.vocab_size == 1
+
+
+# A seeded request's completions (engine/llm_engine.py _build): the first keeps the seed, the
+# others get seed + i x 0x9E3779B97F4A7C15 mod 2**64 (child_seed's docstring), written out
+# here: kills xǁLLMEngineǁ_build__mutmut_34 and 37 to 46. And what a fresh engine reports:
+# kills __init____mutmut_27 (eos ids None) and 65 (last_run_stats "").
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_seeded_requests_completions_get_their_own_seeds() -> None:
+    engine = build_engine(RESET_CONFIG, spec=False)
+    engine.add_request("s", [1, 2, 3], SamplingParams(n=3, seed=5, max_tokens=2))
+    seeds = [seq.sampling_params.seed for seq in engine.scheduler.waiting]
+    golden = 0x9E3779B97F4A7C15
+    assert seeds == [5, (5 + golden) % 2**64, (5 + 2 * golden) % 2**64]
+    engine.add_request("u", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
+    assert [seq.sampling_params.seed for seq in list(engine.scheduler.waiting)[3:]] == [None, None]
+
+
+def test_a_fresh_engine_has_no_run_statistics_and_its_eos_ids() -> None:
+    engine = build_engine(RESET_CONFIG, spec=False, eos=7)
+    assert engine.last_run_stats is None
+    assert engine.eos_token_ids == (7,)

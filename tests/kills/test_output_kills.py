@@ -160,3 +160,136 @@ def test_a_long_completion_keeps_its_text_through_window_trims() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# More of the incremental detokeniser (engine/detokenizer.py), against a second byte
+# tokenizer: kills xǁIncrementalDetokenizerǁadd__mutmut_29 and x__common_prefix__mutmut_3
+# (the best-effort path, which the first tokenizer never reached: its context never
+# changed earlier text), flush__mutmut_8, 16 and 22 (flushing a held-back character), and
+# _drop_incomplete_context__mutmut_5 (a prompt ending in a lead byte and a special token).
+# Expected texts by hand, from the module docstring's rules.
+# --------------------------------------------------------------------------------------------
+
+MORE_BYTES = {
+    0: b"<s>",
+    1: b"\xc3",
+    2: b"\xa9",
+    3: b"a",
+    4: b" ",
+    6: b"x",
+    8: b"<s\xc3",
+    9: b"x\xc3",
+    10: b"\xc3\xa9a",
+    11: b"",
+    12: b"<s>!",
+    13: b"\xc3\xa9\xc3\xa9a",
+}
+
+
+class ContextTokenizer:
+    """Token i is MORE_BYTES[i]; 0 is special (12 is not: it only spells "<s>!"); an "a"
+    right before an "x" reads "A", and 11 erases the byte before it: a token that changes
+    text already emitted."""
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
+        raw = b""
+        for t in token_ids:
+            if not (skip_special_tokens and t == 0):
+                raw = raw[:-1] if t == 11 else raw + MORE_BYTES[t]
+        return raw.decode("utf-8", errors="replace").replace("ax", "Ax")
+
+
+def _steps(prompt: list[int], steps: list[list[int]], skip: bool) -> tuple[list[Any], Any]:
+    """Each step's added text and then the flush (or the exception's type), and the text."""
+    detok = IncrementalDetokenizer(prompt, skip_special_tokens=skip)
+    out: list[Any] = []
+    try:
+        out += [detok.add(ContextTokenizer(), step) for step in steps]
+        out.append(detok.flush(ContextTokenizer()))
+    except Exception as e:
+        out.append(type(e))
+    return out, detok.text
+
+
+def test_text_that_an_earlier_token_changes_is_emitted_from_the_common_prefix() -> None:
+    # Window "a" then "Ax": no common prefix, so all of "Ax" is new (best effort).
+    assert _steps([4], [[3], [6]], skip=False) == (["a", "Ax", ""], "aAx")
+
+
+def test_a_change_after_a_common_prefix_emits_only_what_follows_it() -> None:
+    # Window "éa" then "éAx": they share "é" (one character), so "Ax" is new.
+    assert _steps([4], [[10], [6]], skip=False) == (["éa", "Ax", ""], "éaAx")
+
+
+def test_a_longer_common_prefix_is_not_emitted_again() -> None:
+    # Window "ééa" then "ééAx": two characters shared (x__common_prefix__mutmut_12, 13).
+    assert _steps([4], [[13], [6]], skip=False) == (["ééa", "Ax", ""], "ééaAx")
+
+
+def test_the_first_token_is_decoded_in_the_context_of_the_prompts_end() -> None:
+    # The prompt's "a" is the window the first token is decoded after: "Ax" is new
+    # (reset__mutmut_3 and 5 lost that context, and read "x" alone).
+    assert _steps([3], [[6]], skip=False) == (["Ax", ""], "Ax")
+    assert _steps([4, 4, 4, 4, 4, 4, 4, 3], [[6]], skip=False) == (["Ax", ""], "Ax")
+
+
+def test_trimming_the_window_keeps_the_last_emitted_tokens() -> None:
+    # A long completion (lead bytes held back, windows trimmed past 4 x _CONTEXT tokens):
+    # its last "a", then "x", still read "a", then "Ax" (add__mutmut_40 trimmed the
+    # window itself away). The token list was found by a random search against it.
+    tokens = [9, 1, 4, 3, 3, 6, 9, 2, 3, 4, 2, 9, 1, 2, 3, 9, 4, 4, 2, 9, 3, 4, 4, 4, 3, 6]
+    steps, _ = _steps([4], [[t] for t in tokens], skip=False)
+    assert steps[-3:] == ["a", "Ax", ""]
+
+
+def test_a_token_that_shortens_the_window_adds_nothing() -> None:
+    # Window "a" then "": nothing in common, nothing new (the shorter text runs out first).
+    assert _steps([4], [[3], [11]], skip=False) == (["a", "", ""], "a")
+
+
+def test_the_emitted_window_is_decoded_without_its_skipped_special_token() -> None:
+    # Skipped, the window [<s>] reads "", so all of "<s>!" is new; read with the special
+    # token, it would seem to hold its first three characters already.
+    assert _steps([3], [[0], [12]], skip=True) == (["", "<s>!", ""], "<s>!")
+
+
+def test_flush_emits_the_held_back_character_after_the_text() -> None:
+    assert _steps([3], [[3], [1]], skip=False) == (["a", "", "\ufffd"], "a\ufffd")
+    # Held back, "x" and a lead byte also change the emitted "a": the flush's best effort.
+    assert _steps([4], [[3], [9]], skip=False) == (["a", "", "Ax\ufffd"], "aAx\ufffd")
+    # A special token held back behind the incomplete character is skipped in the flush
+    # as in every step (flush__mutmut_3 decoded it).
+    assert _steps([3], [[3], [1], [0]], skip=True) == (["a", "", "", "\ufffd"], "a\ufffd")
+
+
+def test_flush_decodes_the_window_without_its_skipped_special_token() -> None:
+    # Window [<s>, "<s" + lead byte]: skipped, the emitted part reads "", so all of
+    # "<s\ufffd" is new; read with the special token, it would seem to share "<s".
+    assert _steps([3], [[0], [8]], skip=True) == (["", "", "<s\ufffd"], "<s\ufffd")
+
+
+def test_a_prompt_ending_in_a_lead_byte_then_a_special_token_is_no_context() -> None:
+    # Skipping the special token, the prompt's tail ends inside a character: dropped, so
+    # the continuation byte alone is an incomplete character, as in the whole completion.
+    assert _steps([1, 0], [[2]], skip=True) == (["", "\ufffd"], "\ufffd")
+
+
+# --------------------------------------------------------------------------------------------
+# OutputProcessor.absorb refuses a result count that is not the batch's: kills
+# xǁOutputProcessorǁabsorb__mutmut_2 (no message). Its check is what makes every later
+# zip over the step's sequences and tokens equal-length (see tests/equivalent_mutants.md).
+# --------------------------------------------------------------------------------------------
+
+
+def test_absorb_refuses_a_result_count_that_is_not_the_batchs() -> None:
+    from tests.engine_machine import build_engine
+    from tests.kills.test_engine_kills import RESET_CONFIG
+
+    engine = build_engine(RESET_CONFIG, spec=False)
+    try:
+        engine.outputs.absorb([], [5])
+    except RuntimeError as e:
+        assert str(e) == "the model runner returned 1 results for 0"
+    else:
+        raise AssertionError("absorb took one result for no sequence")

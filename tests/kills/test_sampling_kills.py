@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paged_engine.layers.logits_processors import apply_logits_processors
-from paged_engine.layers.sampler import probabilities
+from paged_engine.layers.sampler import Sampler, probabilities
 from paged_engine.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------------------------
@@ -152,3 +152,51 @@ def test_top_p_and_penalties_validation_that_the_filters_rely_on() -> None:
     # A penalised row needs its history: rows without one never reach the penalties.
     with pytest.raises(ValueError, match="row 0 uses penalties"):
         apply_logits_processors(_logits([1.0]), [SamplingParams(repetition_penalty=1.5)], [None])
+
+
+# --------------------------------------------------------------------------------------------
+# The sampler's index tensors follow the logits, not torch's default device (a caller may
+# have set one, e.g. torch.set_default_device): kills sampler.x_probabilities__mutmut_27 and
+# xǁSamplerǁ__call____mutmut_65 (``device=`` dropped: a meta-device index into CPU logits).
+# --------------------------------------------------------------------------------------------
+
+
+def test_sampling_ignores_torchs_default_device() -> None:
+    logits = _logits([0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [1.0, 1.0, 5.0, 1.0])
+    unfiltered = torch.softmax(logits[2] - 5.0, dim=-1)  # row 2 at temperature 1, by hand
+    greedy, top1 = SamplingParams(temperature=0.0), SamplingParams(top_k=1)
+    with torch.device("meta"):
+        probs = probabilities(logits[1:], [top1, SamplingParams()])  # one row of each group
+        tokens = Sampler()(logits, [greedy, top1, top1], [None, None, None])
+    assert probs.device.type == "cpu"
+    assert probs[0].tolist() == [1.0, 0.0, 0.0, 0.0]  # top_k=1 keeps the largest logit only
+    assert torch.equal(probs[1], unfiltered)
+    assert tokens == [3, 0, 2]  # argmax, and the only token top_k=1 leaves in each row
+
+
+# --------------------------------------------------------------------------------------------
+# A row that filters nothing is a plain softmax, bit for bit: kills
+# sampler.x__needs_filter__mutmut_7 (top_p < 2.0: every row takes the sorted filtering path,
+# whose softmax over the sorted row rounds differently).
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_unfiltered_row_is_exactly_the_softmax_of_its_scaled_logits() -> None:
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    expected = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / 0.7, dim=-1)
+    got = probabilities(logits, [SamplingParams(temperature=0.7)] * 4)
+    assert torch.equal(got, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# The sampler refuses a generator list of another length (histories matching): kills
+# sampler.xǁSamplerǁ__call____mutmut_8 (``and`` let it through).
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_generator_list_of_another_length_is_refused_by_name() -> None:
+    logits = _logits([1.0, 2.0], [3.0, 4.0])
+    with pytest.raises(ValueError) as info:
+        Sampler()(logits, [SamplingParams()] * 2, [None], [None, None])
+    assert str(info.value) == "2 logit rows but 2 params, 1 generators and 2 histories"
+    assert logits.tolist() == [[1.0, 2.0], [3.0, 4.0]]
