@@ -16,6 +16,7 @@ computes anything new, so no output is lost and no stop string is passed over.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
@@ -112,6 +113,7 @@ class LLMEngine:
             prefix_aware=config.enable_prefix_caching,
         )
         self._requests: dict[str, Request] = {}
+        self._salts = itertools.count()  # the private salts of prompt-logprobs requests
         self.outputs = OutputProcessor(self._requests, self.scheduler, tokenizer)
         self._next_id = 0
         self.last_run_stats: RunStats | None = None
@@ -156,7 +158,9 @@ class LLMEngine:
             if i == 0 and sp.prompt_logprobs is not None:
                 # Prompt logprobs need every prompt row computed: a salt no other request
                 # has makes the prefix cache miss (R4s), without a rule of its own.
-                salt = f"{salt or ''}\x00prompt_logprobs\x00{request_id}\x00{id(parsed)}"
+                # A counter, not an address: an id reused after its request finished
+                # would otherwise hit the earlier request's blocks (CPython reuses ids).
+                salt = f"{salt or ''}\x00prompt_logprobs\x00{request_id}\x00{next(self._salts)}"
             # parse_prompt checked the tokens, the config the block size (see the method).
             seq = Sequence.from_checked_tokens(
                 list(parsed.token_ids), child, block_size=bs, cache_salt=salt

@@ -7,6 +7,9 @@ they are computed by a second, deliberately naive procedure or written out by ha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -200,3 +203,59 @@ def test_a_generator_list_of_another_length_is_refused_by_name() -> None:
         Sampler()(logits, [SamplingParams()] * 2, [None], [None, None])
     assert str(info.value) == "2 logit rows but 2 params, 1 generators and 2 histories"
     assert logits.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+# --------------------------------------------------------------------------------------------
+# Torch's default device reaches neither the random draw nor logit_bias: kills
+# sampler.xǁSamplerǁ_sample__mutmut_13 (the picked tokens on the default device) and
+# logits_processors.x_apply_logits_processors__mutmut_83, _88 (the bias ids, the bias
+# values on it). A meta default device makes the mutants raise: the outcome is compared.
+# --------------------------------------------------------------------------------------------
+
+
+def _outcome(run: Callable[[], Any]) -> Any:
+    try:
+        return run()
+    except Exception as exc:  # compared by the caller, not swallowed
+        return type(exc).__name__
+
+
+def test_random_draws_and_logit_bias_ignore_torchs_default_device() -> None:
+    one_hot = _logits([-1000.0, 0.0, -1000.0])  # softmax: exactly [0, 1, 0]
+    ones = _logits([1.0, 1.0, 1.0])
+    biased = SamplingParams(logit_bias={0: 0.5, 2: 2.0})
+    with torch.device("meta"):
+        drawn = _outcome(lambda: Sampler._sample(one_hot, [SamplingParams()], [None]).tolist())
+        bias = _outcome(lambda: apply_logits_processors(ones, [biased], [None]).tolist())
+    assert drawn == [1]
+    assert bias == [[1.5, 1.0, 3.0]]
+
+
+# --------------------------------------------------------------------------------------------
+# Unseeded rows draw the same tokens whether or not seeded rows share their batch (the
+# seeded ones use their own generators): kills sampler.xǁSamplerǁ_sample__mutmut_17
+# (``sel = None``: the unseeded draw over every row, so its noise rows shift).
+# --------------------------------------------------------------------------------------------
+
+
+def test_seeded_rows_do_not_change_the_unseeded_rows_draws() -> None:
+    logits = torch.zeros(5, 64)  # uniform: any change of noise changes the argmax
+    params = [SamplingParams()] * 5
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        mixed = Sampler._sample(logits, params, [torch.Generator().manual_seed(1)] + [None] * 4)
+        torch.manual_seed(0)
+        alone = Sampler._sample(logits[1:], params[1:], [None] * 4)
+    assert mixed[1:].tolist() == alone.tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# top_k among tied logits keeps the lowest ids (a stable sort): kills
+# sampler.x__filtered_probs__mutmut_32 (stable=False, which reorders ties on the CPU
+# from about 100 columns on).
+# --------------------------------------------------------------------------------------------
+
+
+def test_top_k_among_ties_keeps_the_lowest_ids() -> None:
+    probs = probabilities(torch.zeros(2, 500), [SamplingParams(top_k=5)] * 2)
+    assert [row.nonzero().flatten().tolist() for row in probs] == [[0, 1, 2, 3, 4]] * 2

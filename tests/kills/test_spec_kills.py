@@ -172,3 +172,23 @@ def test_the_request_after_a_deferred_one_is_still_admitted() -> None:
     batch, _ = sched.schedule()
     assert [s.seq_id for s in batch] == ["first", "other"]
     assert [s.seq_id for s in sched.waiting] == ["sharing"]
+
+
+# --------------------------------------------------------------------------------------------
+# A result that is neither a token nor a failed sample is refused by name: kills
+# spec.scheduler xǁSchedulerǁpostprocess__mutmut_28 (the message None).
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_result_that_is_no_token_is_refused_by_name() -> None:
+    sched = Scheduler(
+        BlockManager(num_blocks=8, block_size=4),
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        max_model_len=16,
+    )
+    sched.add(SpecRequest([1, 2, 3], 4, seq_id="s"))
+    batch, is_prefill = sched.schedule()
+    with pytest.raises(RuntimeError) as caught:
+        sched.postprocess(batch, ["x"], is_prefill)  # type: ignore[list-item]
+    assert str(caught.value) == "the model returned 'x' for a sampling sequence"
