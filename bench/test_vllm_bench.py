@@ -4,10 +4,7 @@ The requests are ``tox -e bench``'s end-to-end ones (``bench.test_e2e_bench.make
 64 requests over 4 shared prefixes, 32-128 new tokens each, greedy, EOS ignored). Cells:
 model x dtype x threads, one benchmark each (group "vllm-cpu"):
 
-* models: ``tiny``, the end-to-end model with ``head_dim`` 32 instead of 16 (vLLM's CPU
-  attention takes head sizes 32, 64, 80, ... only), and ``qwen3-29m``, the issue's model
-  (hidden 512, 8 layers, 8 heads / 4 KV heads, head_dim 64, intermediate 1792: 28.7M
-  parameters), both random weights from ``make_tiny_model``, written locally;
+* models: ``tiny`` and ``qwen3-29m`` (``bench/models.py``);
 * dtype: float32 and bfloat16 (``dtype`` of both ``LLM``\\s);
 * threads: 1 and 2. paged_engine: ``num_threads``; vLLM: ``VLLM_CPU_OMP_THREADS_BIND``
   bound to the first N CPUs this process may use (vLLM's own way of choosing threads; its
@@ -39,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from bench.models import MODELS
 from bench.test_e2e_bench import make_workload, workload_summary
 
 # vLLM runs in tox -e bench-vllm's environment only. Looked up, not imported: importing
@@ -56,17 +54,6 @@ ALTERNATIONS = int(os.environ.get("PAGED_ENGINE_VLLM_BENCH_ALTERNATIONS", "2"))
 TARGET_SPEEDUP = 1.5
 """Issue 13's bar: paged_engine's output tok/s over vLLM's, with mean TTFT no worse."""
 SYSTEMS = ("paged_engine", "vllm")
-MODELS: dict[str, dict[str, int]] = {
-    "tiny": {"head_dim": 32},
-    "qwen3-29m": dict(
-        hidden_size=512,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=64,
-        intermediate_size=1792,
-    ),
-}
 CELLS = [
     pytest.param(m, d, t, id=f"{m}-{d}-{t}t")
     for m in MODELS

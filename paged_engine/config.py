@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from paged_engine.engine.hashing import HASH_ALGORITHMS, HashAlgorithm
@@ -17,6 +17,11 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 # R4's hashes, defined once with the hashing (a light module: xxhash and the stdlib).
 PrefixCacheHash = HashAlgorithm
 PREFIX_CACHE_HASHES: tuple[str, ...] = HASH_ALGORITHMS
+
+CPU_MAX_NUM_BATCHED_TOKENS = 1024
+"""``EngineConfig.max_num_batched_tokens``' default on CPU (see there)."""
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+"""``EngineConfig.max_num_batched_tokens``' default on CUDA."""
 
 
 _OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
@@ -146,7 +151,19 @@ class EngineConfig:
     available when the engine starts (``ModelRunner._pool_size``).
     """
 
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None
+    """vLLM's name: the tokens one step may compute, prefill chunks and decodes alike.
+    None picks one for the device once it is known (``for_device``, which the model runner
+    calls): 8192 on CUDA, 1024 on CPU.
+
+    Why smaller on CPU: under prefill-first scheduling a request's first token waits for
+    the step that finishes its prompt, so one large step holds every first token of the
+    batch behind it. On CPU a 1,024-token step already keeps the GEMMs at their full rate.
+    Measured (a scratch sweep, one thread, the e2e workload of 64 prompts sharing prefixes,
+    two rounds each; 8192 / 2048 / 1024): mean time to first token on the 29M model
+    5.07 / 3.62 / 3.34 s in float32 (output tok/s 425 / 410 / 397) and 3.05 / 2.31 /
+    2.18 s in bfloat16 (643 / 659 / 661); on the tiny model 104 / 76 / 75 ms
+    (10,282 / 10,034 / 9,685 tok/s)."""
     max_num_seqs: int = 256
     max_model_len: int = 4096
     kvcache_block_size: int = 16
@@ -198,7 +215,8 @@ class EngineConfig:
     heads, intermediate size and vocabulary must divide (checked before any worker starts)."""
 
     def __post_init__(self) -> None:
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len)
         _positive_int("kvcache_block_size", self.kvcache_block_size)
@@ -236,6 +254,15 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with its per-device defaults filled in (``max_num_batched_tokens``
+        when None): the CUDA ones for ``device_type`` "cuda", the CPU ones otherwise."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        cuda = device_type == "cuda"
+        budget = CUDA_MAX_NUM_BATCHED_TOKENS if cuda else CPU_MAX_NUM_BATCHED_TOKENS
+        return replace(self, max_num_batched_tokens=budget)
 
     def max_blocks_per_seq(self) -> int:
         """Blocks one ``max_model_len`` sequence needs."""

@@ -199,7 +199,7 @@ ENGINE_DEFAULTS = {
     "--kv-cache-memory-bytes": "auto",
     "--max-model-len": "4096, capped at the model's max_position_embeddings",
     "--max-num-seqs": "256",
-    "--max-num-batched-tokens": "8192",
+    "--max-num-batched-tokens": "per device: 1024 on CPU, 8192 on CUDA",
     "--attention-backend": "auto",
     "--device": "auto",
     "--dtype": "auto",

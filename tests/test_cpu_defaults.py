@@ -18,7 +18,7 @@ import pytest
 import paged_engine.config as config
 import paged_engine.worker.kv_cache as kv_cache
 import paged_engine.worker.model_runner as model_runner
-from paged_engine import LLM, EngineConfig
+from paged_engine import LLM, EngineConfig, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -204,3 +204,18 @@ def test_import_paged_engine_asks_openmp_to_wait_passively(
     seen = json.loads(run.stdout)
     assert seen["policy"] == policy
     assert seen["threads"] == (max(1, seen["cores"] - 1) if threads == "cores" else threads)
+
+
+def test_a_cpu_step_computes_at_most_1024_tokens_by_default(tiny_model_dir: Path) -> None:
+    """``max_num_batched_tokens`` left None: the CPU budget, 1,024 tokens a step. Two
+    700-token prompts: the first step computes the first prompt and 324 of the second."""
+    llm = LLM(tiny_model_dir, max_model_len=1024, num_kvcache_blocks=128, kvcache_block_size=16)
+    assert llm.config.max_num_batched_tokens == 1024
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine.add_request("a", list(range(1, 701)), params)
+    engine.add_request("b", list(range(2, 702)), params)
+    engine.step()
+    assert engine.scheduler.stats.prefill_tokens == 1024
+    engine.step()
+    assert engine.scheduler.stats.prefill_tokens == 1400

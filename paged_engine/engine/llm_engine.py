@@ -91,6 +91,12 @@ class LLMEngine:
         for e in eos_ids:
             if not isinstance(e, int) or isinstance(e, bool) or e < 0:
                 raise ValueError(f"eos_token_id must hold ints >= 0, got {eos_token_id!r}")
+        # The model runner fills in the per-device defaults (``ModelRunner.config``); a
+        # config it has not seen gets the runner's device's, the CPU's without one.
+        device = getattr(model_runner, "device", None)
+        config = config.for_device(str(getattr(device, "type", "cpu")))
+        budget = config.max_num_batched_tokens
+        assert budget is not None  # for_device filled it in
         self.config = config
         self.model_runner = model_runner
         self.vocab_size = vocab_size
@@ -107,7 +113,7 @@ class LLMEngine:
             self.block_manager,
             num_blocks=pool,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             max_model_len=config.max_model_len,
             eos_token_ids=eos_ids,
             prefix_aware=config.enable_prefix_caching,

@@ -59,6 +59,7 @@ NONE_MEANS: dict[str, str] = {
     "num_kv_blocks": "auto: from --kv-cache-memory",
     "kv_cache_memory": "auto: --max-num-seqs sequences of --max-model-len tokens, at most "
     "half the available memory",
+    "max_num_batched_tokens": "per device: 1024 on CPU, 8192 on CUDA",
     "max_model_len": "4096, capped at the model's max_position_embeddings",
     "threads": f"auto, {default_num_threads()} here: the physical cores this process may "
     "use but one when OpenMP waits passively, else 1",
@@ -103,7 +104,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     add("--max-model-len", type=int, metavar="N", help="longest sequence, prompt and output")
     add("--max-num-seqs", type=int, default=256, metavar="N", help="sequences per step")
-    add("--max-num-batched-tokens", type=int, default=8192, metavar="N", help="tokens per step")
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help="tokens per step",
+    )
     backends = list(ATTENTION_BACKENDS)
     add("--attention-backend", default="auto", choices=backends, help="see README")
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")

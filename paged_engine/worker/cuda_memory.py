@@ -42,7 +42,9 @@ def cuda_pool_budget(runner: ModelRunner) -> int:
     torch.cuda.reset_peak_memory_stats(dev)
     weights = torch.cuda.memory_allocated(dev)
     cfg = runner.config
-    n = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
+    budget = cfg.max_num_batched_tokens
+    assert budget is not None  # the runner's config has its device's defaults
+    n = min(budget, cfg.max_model_len * cfg.max_num_seqs)
     lens = []
     while n > 0:
         lens.append(min(n, cfg.max_model_len))

@@ -99,6 +99,7 @@ class ModelRunner:
         path = Path(model_dir)
         self.hf_config = load_config(path)
         self._check_max_model_len(config, path)
+        config = config.for_device(self.device.type)
         self.config = config
         self.dtype = resolve_dtype(
             config.dtype, self.device, getattr(self.hf_config, "dtype", None)
