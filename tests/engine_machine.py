@@ -352,6 +352,15 @@ def make_machine(
                     for c in r.completions
                     if c.finish_reason is not None
                 ]
+                # Text is made from committed tokens only (after postprocess; a failed
+                # step's tokens are dropped before any catch_up sees them), so no
+                # detokenizer is ever ahead of its sequence, faults included.
+                for r in engine._requests.values():
+                    for c in r.completions:
+                        if c.detok is not None:
+                            assert c.detok.num_tokens <= c.seq.num_completion_tokens, (
+                                f"the detokenizer of {c.seq} is ahead of its tokens"
+                            )
                 live = [r.completions[0].seq.seq_id for r in engine._requests.values()]
                 assert sorted(queued + unreported) == sorted(live), (queued, unreported, live)
                 assert all(not s.block_table for s in waiting + sched.finished)

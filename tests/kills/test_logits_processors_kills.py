@@ -1,0 +1,131 @@
+"""Tests that kill mutants mutmut (tox -e mutation) found alive in the logit processors
+(layers/logits_processors.py), after tests/kills/test_sampling_kills.py's round.
+
+Each section names what it kills (names under ``paged_engine.layers.``). The expected values
+never come from the code under test: they are written out by hand from the documented
+behaviour. The survivors that are equivalent, or that only a GPU can tell apart, are argued
+in tests/equivalent_mutants.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from paged_engine.layers.logits_processors import _flat_ids, apply_logits_processors, processes
+from paged_engine.sampling_params import SamplingParams
+
+
+class History:
+    """A token history: the prompt, then the output."""
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.token_ids = [*prompt, *output]
+        self.num_prompt_tokens = len(prompt)
+
+
+def _logits(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+# --------------------------------------------------------------------------------------------
+# Which rows need a processor (``processes``): a plain row without history needs none, and a
+# row whose min_tokens is reached needs none. Kills logits_processors.x_processes__mutmut_4
+# (``min_tokens > 0 or (...)``: a plain row without history processed), _5
+# (``min_tokens >= 0``: the same) and _8 (``history is not None or ...``: a row whose
+# min_tokens is reached still processed).
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_plain_row_without_history_needs_no_processor() -> None:
+    assert processes(SamplingParams(), None) is False
+    assert processes(SamplingParams(), History([1, 2], [3])) is False
+
+
+def test_min_tokens_needs_a_processor_only_until_it_is_reached() -> None:
+    params = SamplingParams(min_tokens=2)
+    assert processes(params, History([7], [4, 5])) is False  # reached
+    assert processes(params, History([7], [4, 5, 6])) is False
+    assert processes(params, History([7], [])) is True
+    assert processes(params, History([7], [4])) is True  # 1 output token < 2
+    assert processes(params, None) is True  # unknown progress: apply_logits_processors decides
+
+
+# --------------------------------------------------------------------------------------------
+# _flat_ids' indices land on the device asked for (the logits' device, where _counts'
+# bincount runs). The meta device stands in for a GPU: _flat_ids needs no values on it (its
+# callers do, so they cannot be run there). Kills logits_processors.x__flat_ids__mutmut_28
+# (``.to(None, ...)``) and _30 (``.to(non_blocking=True)``), which leave them on the host.
+# --------------------------------------------------------------------------------------------
+
+
+def test_flat_ids_are_row_major_indices_on_the_device_asked_for() -> None:
+    rows = [(0, [1, 2]), (1, [0, 5])]  # token 5 is beyond a 3-token vocabulary: dropped
+    on_host = _flat_ids(rows, 3, torch.device("cpu"))
+    assert on_host.tolist() == [1, 2, 3]  # 0 * 3 + 1, 0 * 3 + 2, 1 * 3 + 0
+    on_meta = _flat_ids(rows, 3, torch.device("meta"))
+    assert on_meta.device.type == "meta"
+    assert on_meta.shape == (3,)
+
+
+# --------------------------------------------------------------------------------------------
+# The min_tokens mask's index tensors follow the logits, not torch's default device (a
+# caller may have set one, e.g. torch.set_default_device). Kills
+# logits_processors.x_apply_logits_processors__mutmut_57, _59 (the row indices on the
+# default device: ``device=None``, ``device=`` dropped), _61 and _63 (the token indices).
+# With a meta default device such an index writes nothing into CPU logits, silently: the
+# stop ids would stay samplable.
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_min_tokens_mask_ignores_torchs_default_device() -> None:
+    logits = _logits([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    params = [SamplingParams(), SamplingParams(min_tokens=2, stop_token_ids=[1])]
+    with torch.device("meta"):
+        out = apply_logits_processors(logits, params, [None, History([0], [])], (2,))
+    assert out.device.type == "cpu"
+    # row 1 has 0 of its 2 tokens: its stop id 1 and the eos id 2 masked; row 0 untouched
+    assert out.tolist() == [[1.0, 1.0, 1.0], [1.0, float("-inf"), float("-inf")]]
+
+
+# --------------------------------------------------------------------------------------------
+# logit_bias is added in float32 whatever torch's default dtype (the loader sets it to the
+# model's dtype while it builds a model; a user may set it for a session). Kills
+# logits_processors.x_apply_logits_processors__mutmut_87 (``dtype=None``) and _90
+# (``dtype=`` dropped): the bias tensor in the default dtype.
+# --------------------------------------------------------------------------------------------
+
+
+def test_logit_bias_is_added_in_float32_under_a_float64_default_dtype() -> None:
+    # 2**-24 + 2**-50 rounds to 2**-24 in float32; 1 + 2**-24 is then exactly halfway
+    # between 1 and the next float32 (1 + 2**-23), and ties go to even: 1.0. Added in
+    # float64 first, the sum lies above halfway and rounds up instead.
+    with _default_dtype(torch.float64):
+        out = apply_logits_processors(
+            _logits([1.0, 3.0]), [SamplingParams(logit_bias={0: 2.0**-24 + 2.0**-50})], [None]
+        )
+    assert out.dtype == torch.float32
+    assert out.tolist() == [[1.0, 3.0]]
+
+
+def test_logit_bias_is_added_in_float32_under_a_bfloat16_default_dtype() -> None:
+    # 0.1 in float32 is 13421773 * 2**-27 = 0.100000001490116...; in bfloat16 it would be
+    # 0.10009765625.
+    with _default_dtype(torch.bfloat16):
+        out = apply_logits_processors(
+            _logits([0.0, 2.0]), [SamplingParams(logit_bias={0: 0.1, 1: -0.5})], [None]
+        )
+    assert out.dtype == torch.float32
+    assert out.tolist() == [[13421773 * 2.0**-27, 1.5]]
