@@ -43,7 +43,7 @@ def test_the_first_child_seed_is_the_seed_itself_even_outside_64_bits() -> None:
 
 # --------------------------------------------------------------------------------------------
 # The engine's own allocator follows the config's enable_prefix_caching: kills
-# xǁLLMEngineǁ__init____mutmut_38 (the keyword dropped: the allocator's default, on).
+# xǁLLMEngineǁ__init____mutmut_61 (the keyword dropped: the allocator's default, on).
 # --------------------------------------------------------------------------------------------
 
 
