@@ -156,14 +156,13 @@ class EngineConfig:
     None picks one for the device once it is known (``for_device``, which the model runner
     calls): 8192 on CUDA, 1024 on CPU.
 
-    Why smaller on CPU: under prefill-first scheduling a request's first token waits for
+    Why smaller on CPU: under prefill-first scheduling a request's first token comes with
     the step that finishes its prompt, so one large step holds every first token of the
     batch behind it. On CPU a 1,024-token step already keeps the GEMMs at their full rate.
-    Measured (a scratch sweep, one thread, the e2e workload of 64 prompts sharing prefixes,
-    two rounds each; 8192 / 2048 / 1024): mean time to first token on the 29M model
-    5.07 / 3.62 / 3.34 s in float32 (output tok/s 425 / 410 / 397) and 3.05 / 2.31 /
-    2.18 s in bfloat16 (643 / 659 / 661); on the tiny model 104 / 76 / 75 ms
-    (10,282 / 10,034 / 9,685 tok/s)."""
+    Measured (``bench/test_budget_bench.py``: the e2e workload, one thread, budgets
+    alternated in one process, fastest of 3 rounds), 1,024 against 8,192: mean time to
+    first token 0.62-0.68x on the tiny and the 29M model in float32 and bfloat16 (29M
+    float32: 5.21 -> 3.47 s), output tok/s 1.00-1.16x."""
     max_num_seqs: int = 256
     max_model_len: int = 4096
     kvcache_block_size: int = 16

@@ -109,6 +109,26 @@ def test_penalties_match_a_hand_computation() -> None:
     check_penalties_by_hand()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_penalties_on_cuda_logits_match_the_hand_computation() -> None:
+    """Every tensor the penalties build lives on the logits' device: CUDA logits come back
+    on CUDA with the hand-computed values, and the counts are made there. The ten device
+    survivors of tests/equivalent_mutants.md ("Survivors not killed on this machine")
+    differ from the real code only here (each raises a device mismatch)."""
+    logits = _random_logits(len(CASES) * len(PENALTIES), seed=1)
+    params = [p for p in PENALTIES for _ in CASES]
+    histories = [History(pr + out, len(pr)) for _ in PENALTIES for pr, out in CASES]
+    got = apply_logits_processors(logits.cuda(), params, histories)
+    assert got.device.type == "cuda"
+    for r, (p, (prompt, output)) in enumerate((p, case) for p in PENALTIES for case in CASES):
+        want = torch.tensor(_by_hand(logits[r].tolist(), prompt, output, p))
+        torch.testing.assert_close(got[r].cpu(), want, atol=1e-5, rtol=1e-6)
+    counts = logits_processors._counts([(0, [1, 1, 2])], torch.Size([1, 4]), torch.device("cuda"))
+    assert counts.device.type == "cuda"
+    assert counts.cpu().tolist() == [[0.0, 2.0, 1.0, 0.0]]  # token 1 twice, token 2 once
+
+
 def test_rows_without_penalties_are_untouched_beside_rows_with_them() -> None:
     logits = _random_logits(3, seed=2)
     params = [SamplingParams(), SamplingParams(frequency_penalty=1.0), SamplingParams()]
