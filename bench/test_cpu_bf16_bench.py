@@ -35,23 +35,15 @@ from typing import Any
 import pytest
 import torch
 
+from bench.models import MODELS as SHARED_MODELS
 from paged_engine import LLM, SamplingParams
 from paged_engine.kernels.paged_decode_cpu import bf16_variants
 from paged_engine.layers.attention import TorchAttentionBackend, make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from paged_engine.utils.tiny_model import make_tiny_model
 
-MODELS: dict[str, dict[str, int]] = {
-    "tiny": {},
-    "qwen3-29m": dict(
-        hidden_size=512,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=64,
-        intermediate_size=1792,
-    ),
-}
+MODELS: dict[str, dict[str, int]] = {"tiny": {}, "qwen3-29m": SHARED_MODELS["qwen3-29m"]}
+"""The end-to-end tiny model (head_dim 16) and the 29M model of ``bench/models.py``."""
 SETTINGS: dict[str, tuple[str, str]] = {
     "cpu-bf16": ("cpu", "bfloat16"),
     "torch-bf16": ("torch", "bfloat16"),

@@ -9,36 +9,12 @@ in tests/equivalent_mutants.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 from paged_engine.layers.logits_processors import _flat_ids, apply_logits_processors, processes
 from paged_engine.sampling_params import SamplingParams
-
-
-class History:
-    """A token history: the prompt, then the output."""
-
-    def __init__(self, prompt: list[int], output: list[int]) -> None:
-        self.token_ids = [*prompt, *output]
-        self.num_prompt_tokens = len(prompt)
-
-
-def _logits(*rows: list[float]) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float32)
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
+from paged_engine.utils.loader import _default_dtype
+from tests.kills.test_sampling_kills import History, _logits
 
 # --------------------------------------------------------------------------------------------
 # Which rows need a processor (``processes``): a plain row without history needs none, and a

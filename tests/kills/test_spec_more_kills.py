@@ -19,6 +19,7 @@ from paged_engine.engine.outputs import FailedSample
 from spec.block_manager import BlockManager
 from spec.scheduler import Scheduler, SpecRequest
 from spec.sequence import SpecSequence
+from tests.kills.test_spec_kills import _allocated, _state
 
 
 def _outcome(f: Callable[[], Any]) -> Any:
@@ -29,18 +30,6 @@ def _outcome(f: Callable[[], Any]) -> Any:
         return ("returned", f())
     except Exception as e:
         return (type(e), str(e))
-
-
-def _allocated(bm: BlockManager, tokens: list[int]) -> SpecSequence:
-    seq = SpecSequence(tokens, bm.block_size)
-    hits = bm.can_allocate(seq)
-    assert hits == 0
-    bm.allocate(seq, hits)
-    return seq
-
-
-def _state(bm: BlockManager, seq: SpecSequence) -> tuple[object, ...]:
-    return (bm.snapshot(), list(seq.block_table), seq.num_cached_tokens, seq.num_scheduled_tokens)
 
 
 def _scheduler(bm: BlockManager, *, budget: int = 64, max_num_seqs: int = 4) -> Scheduler:
