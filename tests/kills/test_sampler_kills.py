@@ -18,14 +18,7 @@ import torch
 
 from paged_engine.layers.sampler import Sampler, probabilities
 from paged_engine.sampling_params import SamplingParams
-
-
-class History:
-    """A token history: the prompt, then the output."""
-
-    def __init__(self, prompt: list[int], output: list[int]) -> None:
-        self.token_ids = [*prompt, *output]
-        self.num_prompt_tokens = len(prompt)
+from tests.kills.test_sampling_kills import History
 
 
 def _outcome(run: Callable[[], Any]) -> Any:
