@@ -13,23 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.outputs import FailedSample, SampleOutput, TokenLogprobs
 from paged_engine.engine.request import Logprob, RequestOutput
 from paged_engine.engine.sequence import Sequence
 from paged_engine.sampling_params import SamplingParams
 from tests.fake_model import FakeModelRunner
-from tests.kills.test_llm_engine_kills import FailOnce
+from tests.kills.test_llm_engine_kills import CONFIG, FailOnce
 from tests.kills.test_output_kills import TOKEN_BYTES, ByteTokenizer
 
-CONFIG = EngineConfig(
-    max_num_batched_tokens=64,
-    max_num_seqs=4,
-    max_model_len=40,
-    kvcache_block_size=4,
-    num_kvcache_blocks=16,
-)
 Result = int | FailedSample | SampleOutput
 
 

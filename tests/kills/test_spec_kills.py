@@ -7,6 +7,8 @@ leaving the allocator and the sequence as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from spec.block_manager import BlockManager
@@ -27,6 +29,22 @@ def _state(bm: BlockManager, seq: SpecSequence) -> tuple[object, ...]:
     return (bm.snapshot(), list(seq.block_table), seq.num_cached_tokens, seq.num_scheduled_tokens)
 
 
+def _refused(
+    bm: BlockManager,
+    seq: SpecSequence,
+    call: Callable[[], object],
+    error: type[Exception],
+    message: str,
+) -> None:
+    """``call`` raises ``error`` with exactly ``message`` and leaves the allocator and
+    ``seq`` as they were."""
+    before = _state(bm, seq)
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value) == message
+    assert _state(bm, seq) == before
+
+
 # --------------------------------------------------------------------------------------------
 # The spec allocator's refusals (spec/block_manager.py): kills xǁBlockManagerǁhash_blocks__
 # mutmut_3 (a negative cached count let through), may_append__mutmut_14 and 17 (messages).
@@ -37,33 +55,29 @@ def test_a_negative_cached_count_is_refused_by_name_and_changes_nothing() -> Non
     bm = BlockManager(num_blocks=4, block_size=2)
     seq = _allocated(bm, [1, 2, 3])
     seq.num_cached_tokens, seq.num_scheduled_tokens = -2, 2
-    before = _state(bm, seq)
-    with pytest.raises(ValueError) as caught:
-        bm.hash_blocks(seq)
-    assert str(caught.value) == (
-        "hash_blocks: num_cached_tokens=-2 + num_scheduled_tokens=2 is outside a 3-token sequence"
+    _refused(
+        bm,
+        seq,
+        lambda: bm.hash_blocks(seq),
+        ValueError,
+        "hash_blocks: num_cached_tokens=-2 + num_scheduled_tokens=2 is outside a 3-token sequence",
     )
-    assert _state(bm, seq) == before
 
 
 def test_may_append_refusals_name_the_problem_and_change_nothing() -> None:
     bm = BlockManager(num_blocks=1, block_size=2)
     seq = _allocated(bm, [1, 2])
     seq.token_ids.append(3)  # starts block 1; the pool's one block is taken
-    before = _state(bm, seq)
-    with pytest.raises(RuntimeError) as caught:
-        bm.may_append(seq)
-    assert str(caught.value) == "may_append: no free block"
-    assert _state(bm, seq) == before
+    _refused(bm, seq, lambda: bm.may_append(seq), RuntimeError, "may_append: no free block")
     seq.token_ids.append(4)
     seq.token_ids.append(5)  # two tokens past the table: a step was skipped
-    before = _state(bm, seq)
-    with pytest.raises(RuntimeError) as caught:
-        bm.may_append(seq)
-    assert str(caught.value) == (
-        "may_append: a 5-token sequence with 1 blocks is not one token past its block table"
+    _refused(
+        bm,
+        seq,
+        lambda: bm.may_append(seq),
+        RuntimeError,
+        "may_append: a 5-token sequence with 1 blocks is not one token past its block table",
     )
-    assert _state(bm, seq) == before
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,11 +128,13 @@ def test_more_full_blocks_than_the_table_holds_is_refused_by_name() -> None:
     seq = _allocated(bm, [1, 2, 3])  # 2 blocks
     seq.token_ids += [4, 5, 6]
     seq.num_cached_tokens, seq.num_scheduled_tokens = 0, 6  # 3 full blocks
-    before = _state(bm, seq)
-    with pytest.raises(RuntimeError) as caught:
-        bm.hash_blocks(seq)
-    assert str(caught.value) == "hash_blocks: 3 full blocks but the sequence holds 2"
-    assert _state(bm, seq) == before
+    _refused(
+        bm,
+        seq,
+        lambda: bm.hash_blocks(seq),
+        RuntimeError,
+        "hash_blocks: 3 full blocks but the sequence holds 2",
+    )
 
 
 def test_a_second_schedule_before_postprocess_is_refused_by_name() -> None:
@@ -145,16 +161,21 @@ def test_a_second_schedule_before_postprocess_is_refused_by_name() -> None:
 def test_allocating_twice_or_appending_without_blocks_is_refused_by_name() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
     seq = _allocated(bm, [1, 2, 3])
-    before = _state(bm, seq)
-    with pytest.raises(RuntimeError) as caught:
-        bm.allocate(seq, 0)
-    assert str(caught.value) == "allocate: the sequence already holds blocks"
-    assert _state(bm, seq) == before
+    _refused(
+        bm,
+        seq,
+        lambda: bm.allocate(seq, 0),
+        RuntimeError,
+        "allocate: the sequence already holds blocks",
+    )
     bare = SpecSequence([1, 2, 3], 2)
-    with pytest.raises(RuntimeError) as caught:
-        bm.may_append(bare)
-    assert str(caught.value) == "may_append: the sequence holds no blocks"
-    assert bare.block_table == [] and bm.snapshot() == before[0]
+    _refused(
+        bm,
+        bare,
+        lambda: bm.may_append(bare),
+        RuntimeError,
+        "may_append: the sequence holds no blocks",
+    )
 
 
 def test_the_request_after_a_deferred_one_is_still_admitted() -> None:
