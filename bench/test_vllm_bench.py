@@ -16,7 +16,10 @@ runs a warm-up round and ``ROUNDS`` timed ones; the systems alternate, ``ALTERNA
 interpreters each, the first system swapping every time. Per system: output tok/s of the
 fastest and the median round, tokens per CPU-second (this process and its children:
 vLLM's engine core and worker do the work), first and mean time to first token (from the
-``generate`` call), peak RSS (vLLM's summed over its processes). The ratios
+``generate`` call), peak RSS (vLLM's summed over its processes); for paged_engine also the
+matmul floor (``bench/floor.py``: its projections replayed alone on the run's step shapes)
+and ``ceiling_vs_vllm``, vLLM's fastest round over that floor: above it no engine that
+does those matmuls can go, whatever else it speeds up. The ratios
 paged_engine/vLLM, from the fastest rounds (medians beside), go into ``extra_info``
 (``tracked_ratios`` too, for ``bench/compare.py``) against ``TARGET_SPEEDUP``: reported,
 not enforced. ``identical_tokens`` counts requests whose greedy tokens agree between the
@@ -182,6 +185,11 @@ def test_vs_vllm(
     assert all(len(t) == r.max_tokens for t, r in zip(ours["tokens"], workload, strict=True))
     assert all(len(t) == r.max_tokens for t, r in zip(theirs["tokens"], workload, strict=True))
     ratios = side_by_side(sides["paged_engine"], sides["vllm"])
+    # The best any engine doing paged_engine's matmuls could do against this vLLM run:
+    # vLLM's fastest round over the fastest replay of those matmuls alone (bench/floor.py).
+    floor = min(res["info"]["linear_floor_s"] for res in results["paged_engine"])
+    ratios["linear_floor_s"] = floor
+    ratios["ceiling_vs_vllm"] = round(sides["vllm"]["seconds_min"] / floor, 3)
     info = {
         "suite": "vllm",
         "model": model,

@@ -20,6 +20,11 @@ work in a child), time to first token per request from the call's start, and pea
 over the round: each process's VmHWM (reset through ``/proc/PID/clear_refs`` at the start)
 summed over the process tree, an upper bound on the tree's simultaneous peak. Greedy
 tokens of the last round come back too, so the caller can compare the systems.
+
+paged_engine's side also measures its matmul floor (``bench/floor.py``): the warm-up round
+records each step's rows (it is scheduled exactly as the timed rounds are: same requests,
+fresh pool), and after the timed rounds the model's projections are replayed alone on
+them; ``info`` gets ``linear_floor_s`` and ``linear_floor_gflops_per_s``.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ def _measure(generate: Any, requests: list[tuple[list[int], int]]) -> dict[str, 
 
 
 def _paged_engine(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    from bench.floor import record, replay
     from paged_engine import LLM, SamplingParams
 
     def make() -> Any:
@@ -127,7 +133,20 @@ def _paged_engine(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         toks = [list(o.outputs[0].token_ids) for o in outs]
         return toks, [float(o.metrics.first_token_time) for o in outs]
 
-    return (fresh, generate), info
+    def warm_up(requests: list[tuple[list[int], int]]) -> None:
+        with record(holder["llm"].model_runner.model) as shapes:
+            generate(requests)
+        holder["shapes"] = shapes
+
+    def after() -> dict[str, Any]:
+        floor = replay(holder["llm"].model_runner.model, holder["shapes"])
+        return {
+            "linear_floor_s": round(floor.seconds, 4),
+            "linear_floor_gflops_per_s": round(floor.gflops_per_s, 1),
+            "steps": len(holder["shapes"].tokens),
+        }
+
+    return (fresh, generate, warm_up, after), info
 
 
 def _vllm(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -168,7 +187,7 @@ def _vllm(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             first.append(m.arrival_time + m.first_token_latency)
         return toks, first
 
-    return (fresh, generate), info
+    return (fresh, generate, generate, dict), info
 
 
 def main(spec_path: str) -> int:
@@ -176,13 +195,14 @@ def main(spec_path: str) -> int:
     requests = [(list(p), int(n)) for p, n in spec["requests"]]
     started = time.perf_counter()
     make = _paged_engine if spec["system"] == "paged_engine" else _vllm
-    (fresh, generate), info = make(spec)
+    (fresh, generate, warm_up, after), info = make(spec)
     info["startup_s"] = round(time.perf_counter() - started, 2)
-    generate(requests)  # warm-up round, not timed
+    warm_up(requests)  # not timed
     rounds = []
     for _ in range(spec["rounds"]):
         fresh()
         rounds.append(_measure(generate, requests))
+    info.update(after())
     tokens = rounds[-1]["tokens"]
     for r in rounds:
         del r["tokens"]
