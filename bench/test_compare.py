@@ -83,6 +83,14 @@ def test_engine_spec_ratios_are_derived_from_complete_pairs() -> None:
     assert "tracked_ratios" not in run["benchmarks"][1]["extra_info"]
 
 
+def test_an_interleaved_engine_spec_ratio_is_kept_not_derived_again() -> None:
+    spec = _alloc("a", "spec", 7.0)
+    spec["extra_info"]["tracked_ratios"] = {"engine/spec a": 4.0}  # measured interleaved
+    run = {"benchmarks": [_alloc("a", "engine", 2.0), spec]}
+    assert tracked_ratios(run) == {"engine/spec a": 4.0}  # not 7.0 / 2.0
+    assert "tracked_ratios" not in run["benchmarks"][0]["extra_info"]
+
+
 def _write(tmp_path: Path, run: dict[str, Any], baseline: dict[str, Any]) -> tuple[Path, Path]:
     run_path, base_path = tmp_path / "run.json", tmp_path / "base.json"
     run_path.write_text(json.dumps(run))
