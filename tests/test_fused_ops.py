@@ -177,8 +177,12 @@ def check_silu(rows: int, d: int, dtype: torch.dtype, scale: float, seed: int) -
         return
     diff = (got.float() - want.float()).abs()
     assert bool((diff <= 2**-6 * want.float().abs() + 1e-30).all()), float(diff.max())
-    same = float((got == want).float().mean()) if got.numel() else 1.0
-    assert same >= 0.99, f"only {same:.3f} of bfloat16 results equal torch's"
+    # glibc's expf and torch's differ in the last float32 bit now and then, which bfloat16
+    # rounding sometimes keeps: at most 1% of the results (and one, in a tensor of fewer
+    # than 100) may differ from torch's. A fraction alone failed a 25-element case on one
+    # differing element (rows=5, d=5, bfloat16, scale=30, seed=1595).
+    differ = int((got != want).sum())
+    assert differ <= max(1, got.numel() // 100), f"{differ} of {got.numel()} bfloat16 results"
 
 
 SILU_CASES = [(33, 1792, F32, 4.0, 0), (33, 1792, BF16, 4.0, 1), (5, 3, F32, 1.0, 2)]
