@@ -124,6 +124,7 @@ def check_request(
     where: str,
     *,
     has_tokenizer: bool,
+    vocab_size: int | None = None,
 ) -> None:
     """What a request needs of the engine: room in ``max_model_len`` and the pool for one
     completion at full length (completions share the pool in turn, by preemption)."""

@@ -154,7 +154,13 @@ class LLMEngine:
         sp = parse_params(params, where)
         has_tok = self.tokenizer is not None
         check_request(
-            parsed.token_ids, sp, self.config, self.num_blocks, where, has_tokenizer=has_tok
+            parsed.token_ids,
+            sp,
+            self.config,
+            self.num_blocks,
+            where,
+            has_tokenizer=has_tok,
+            vocab_size=self.vocab_size,
         )
         bs = self.config.kvcache_block_size
         completions = []
