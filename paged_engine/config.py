@@ -208,6 +208,10 @@ class EngineConfig:
     1.4x slower with the competing process (tiny: 2.7x even idle; hidden 1024: 0.78x
     idle). Hence 1 thread on 2 cores. Short spins (``GOMP_SPINCOUNT`` 3,000 or 30,000)
     measured worse than passive waiting under load."""
+    max_n: int = 128
+    """The most completions one request may ask for (``SamplingParams.n``): every completion
+    is a sequence built at admission, on the engine's thread, so an unbounded ``n`` would
+    stall every other request while it is built."""
     tensor_parallel_size: int = 1
     """Ranks the model is sharded over (vLLM's name): rank 0 in this process, the others in
     spawned workers, one device each (``worker/tp_worker.py``). The model's heads, KV
@@ -253,6 +257,7 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("max_n", self.max_n)
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with its per-device defaults filled in (``max_num_batched_tokens``
