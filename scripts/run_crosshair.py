@@ -10,7 +10,9 @@ Two kinds of job, each one CrossHair process:
   ``spec.crosshair_targets`` (``BlockManager``'s method contracts and R3-R12, restated
   over short scripted traffic).
 * ``crosshair diffbehavior --per_condition_timeout=T ENGINE SPEC`` for each index helper,
-  through the domain guards of ``spec.diff_targets`` (diffbehavior ignores ``pre:``).
+  through the domain guards of ``spec.diff_targets`` (diffbehavior ignores ``pre:``): the
+  spec's wrappers there, the engine's in ``tests.test_spec_diff_targets`` (the spec
+  imports nothing from the engine).
 
 CrossHair exits 0 both when it checked everything and when it checked nothing (no
 checkable function, every path ignored, preconditions never met), so an exit status is
@@ -83,6 +85,7 @@ class DiffJob:
 
 _CT = "spec.crosshair_targets"
 _DT = "spec.diff_targets"
+_ET = "tests.test_spec_diff_targets"  # the engine's wrappers, behind the same guards
 # (helper, must CrossHair exhaust every path?) The counting helpers are proved equal in a
 # few iterations; slot_mapping loops over a symbolic range, so it is searched, not proved.
 DIFF_PAIRS: tuple[tuple[str, bool], ...] = (
@@ -132,7 +135,7 @@ def default_jobs(scale: float = 1.0, thorough: bool = False) -> list[CheckJob | 
         jobs.append(
             DiffJob(
                 f"diff {helper}",
-                f"{_DT}.{helper}_engine",
+                f"{_ET}.{helper}_engine",
                 f"{_DT}.{helper}_spec",
                 (10 if exhaust else 16) * scale,
                 must_exhaust=exhaust,

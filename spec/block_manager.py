@@ -1,17 +1,18 @@
 """Reference model of the block allocator: the simplest code that states rules R1-R13
 (and R4s, the cache salt).
 
-Read it beside ../shared/DESIGN.md; each step cites the rule it implements. Speed is no
-concern here (lists, linear scans, the hash chain recomputed from the first block every
-time); ``paged_engine.engine.block_manager`` is the fast twin, and the tests drive both in
-lockstep. Contracts are PEP 316 docstrings, checked by CrossHair.
+Each step cites the rule it implements. Speed is no concern here (lists, linear scans, the
+hash chain recomputed from the first block every time); ``paged_engine.engine.block_manager``
+is the fast twin, and the tests drive both in lockstep. Its snapshot is its own record
+(spec/records.py), compared with the engine's field by field. Contracts are PEP 316
+docstrings, checked by CrossHair.
 """
 
 from __future__ import annotations
 
-from paged_engine.engine.allocator_state import AllocatorState
 from spec.hashing import HashFn, salt_block, sha256_block_hash, simple_block_hash, xxh64_block_hash
 from spec.indexing import needs_new_block
+from spec.records import SpecAllocatorState
 from spec.sequence import SpecSequence
 
 __all__ = ["BlockManager", "HashFn", "sha256_block_hash", "simple_block_hash", "xxh64_block_hash"]
@@ -233,9 +234,9 @@ class BlockManager:
         self.block_tokens = [()] * self.num_blocks
         return True
 
-    def snapshot(self) -> AllocatorState:
+    def snapshot(self) -> SpecAllocatorState:
         """R11."""
-        return AllocatorState(
+        return SpecAllocatorState(
             free_queue=tuple(self.free_queue),
             ref_counts=tuple(self.ref_counts),
             block_hashes=tuple(self.block_hashes),

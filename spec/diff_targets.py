@@ -1,21 +1,21 @@
-"""Domain-guarded pairs of index helpers for ``crosshair diffbehavior``.
+"""Domain-guarded index helpers of the spec, the spec's half of ``crosshair diffbehavior``.
 
 ``crosshair diffbehavior`` compares two functions on every input it can construct and
 ignores PEP 316 ``pre:`` lines, so comparing ``paged_engine.engine.indexing.num_blocks``
 with ``spec.indexing.num_blocks`` directly reports differences at ``block_size = -1``,
 where neither is defined (``-(-10 // -1) == -10`` but ``(10 - 1 - 1) // -1 == -8``). Each
-helper therefore gets two wrappers here, one per side, that return ``None`` outside the
-spec's preconditions and the helper's answer inside them: both sides agree trivially off
-the domain, so any difference CrossHair finds is one on the domain.
+helper therefore gets a wrapper per side that returns ``None`` outside the spec's
+preconditions and the helper's answer inside them: both sides agree trivially off the
+domain, so any difference CrossHair finds is one on the domain.
 
-The guards restate the ``pre:`` lines of ``spec/indexing.py`` as plain code; they are the
-same predicate for both sides of a pair, so a difference can only come from the helpers.
+The guards restate the ``pre:`` lines of ``spec/indexing.py`` as plain code. This module
+holds them and the spec's wrappers; the engine's wrappers, behind the same guards, live in
+tests/test_spec_diff_targets.py, since the spec imports nothing from the engine.
 ``scripts/run_crosshair.py`` lists the pairs in ``DIFF_PAIRS``.
 """
 
 from __future__ import annotations
 
-from paged_engine.engine import indexing as engine
 from spec import indexing as spec
 
 
@@ -31,25 +31,11 @@ def slot_domain(block_table: list[int], block_size: int, start: int, end: int) -
     return block_size >= 1 and 0 <= start <= end <= len(block_table) * block_size
 
 
-def num_blocks_engine(num_tokens: int, block_size: int) -> int | None:
-    """``engine.num_blocks`` on the spec's domain, ``None`` elsewhere."""
-    if not count_domain(num_tokens, block_size, 0):
-        return None
-    return engine.num_blocks(num_tokens, block_size)
-
-
 def num_blocks_spec(num_tokens: int, block_size: int) -> int | None:
     """``spec.num_blocks`` on its domain, ``None`` elsewhere."""
     if not count_domain(num_tokens, block_size, 0):
         return None
     return spec.num_blocks(num_tokens, block_size)
-
-
-def last_block_num_tokens_engine(num_tokens: int, block_size: int) -> int | None:
-    """``engine.last_block_num_tokens`` on the spec's domain, ``None`` elsewhere."""
-    if not count_domain(num_tokens, block_size, 1):
-        return None
-    return engine.last_block_num_tokens(num_tokens, block_size)
 
 
 def last_block_num_tokens_spec(num_tokens: int, block_size: int) -> int | None:
@@ -59,27 +45,11 @@ def last_block_num_tokens_spec(num_tokens: int, block_size: int) -> int | None:
     return spec.last_block_num_tokens(num_tokens, block_size)
 
 
-def needs_new_block_engine(num_tokens: int, block_size: int) -> bool | None:
-    """``engine.needs_new_block`` (R7) on the spec's domain, ``None`` elsewhere."""
-    if not count_domain(num_tokens, block_size, 1):
-        return None
-    return engine.needs_new_block(num_tokens, block_size)
-
-
 def needs_new_block_spec(num_tokens: int, block_size: int) -> bool | None:
     """``spec.needs_new_block`` (R7) on its domain, ``None`` elsewhere."""
     if not count_domain(num_tokens, block_size, 1):
         return None
     return spec.needs_new_block(num_tokens, block_size)
-
-
-def slot_mapping_engine(
-    block_table: list[int], block_size: int, start: int, end: int
-) -> list[int] | None:
-    """``engine.slot_mapping`` on the spec's domain, ``None`` elsewhere."""
-    if not slot_domain(block_table, block_size, start, end):
-        return None
-    return engine.slot_mapping(block_table, block_size, start, end)
 
 
 def slot_mapping_spec(

@@ -1,16 +1,17 @@
 """Reference model of the scheduler: the simplest code that states rules S1-S12.
 
-Read it beside ../shared/DESIGN.md ("The scheduler contract"); each step cites the rule
-it implements. It runs on the reference allocator (spec/block_manager.py) with its own
-sequences (``SpecRequest``), not the engine's ``Sequence``: the engine's sequence carries
-caches and a compact pickled form that are optimisations, and the lockstep machine
-(tests/scheduler_machine.py) should compare two states held independently, so that a
-counter the engine's sequence gets wrong shows up as a difference. Speed is no concern
-(lists, linear scans, the hash chain recomputed from block 0);
-``paged_engine.engine.scheduler`` is the fast twin.
+Each step cites the rule it implements. It runs on the reference allocator
+(spec/block_manager.py) with its own sequences (``SpecRequest``), not the engine's
+``Sequence``: the engine's sequence carries caches and a compact pickled form that are
+optimisations, and the lockstep machine (tests/scheduler_machine.py) should compare two
+states held independently, so that a counter the engine's sequence gets wrong shows up as
+a difference. For the same reason its statistics and its failed-sample marker are its own
+(spec/records.py), compared with the engine's field by field. Speed is no concern (lists,
+linear scans, the hash chain recomputed from block 0); ``paged_engine.engine.scheduler``
+is the fast twin.
 
 What a scheduler does not decide is outside the spec: the model (a token per sequence
-that finished its context, ``FailedSample`` when its logits could not be sampled),
+that finished its context, ``SpecFailedSample`` when its logits could not be sampled),
 ``min_tokens`` (the sampler masks stop tokens until then), stop strings (the engine's
 text layer calls ``finish_now``), and ``n`` (the engine adds one sequence per completion).
 """
@@ -19,15 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paged_engine.engine.outputs import FailedSample
-from paged_engine.engine.scheduler import SchedulerStats
 from spec.block_manager import BlockManager
 from spec.hashing import salt_block
+from spec.records import SpecFailedSample, SpecSchedulerStats
 from spec.sequence import SpecSequence
 
-__all__ = ["Scheduler", "SchedulerStats", "SpecRequest"]
+__all__ = ["Result", "Scheduler", "SpecFailedSample", "SpecRequest", "SpecSchedulerStats"]
 
-Result = int | FailedSample | None
+Result = int | SpecFailedSample | None
 """The model's result for one scheduled sequence (None: a chunk that samples nothing)."""
 
 
@@ -101,7 +101,7 @@ class Scheduler:
         self.finished: list[SpecRequest] = []
         self.errors: dict[str, str] = {}
         """Why each sequence finished with "error", by seq_id (S9)."""
-        self.stats = SchedulerStats()
+        self.stats = SpecSchedulerStats()
         self.in_flight: list[tuple[SpecRequest, int]] = []
         """S11: the sequences this step changed and did not commit, with their lengths."""
 
@@ -247,7 +247,7 @@ class Scheduler:
                 self.stats.prefill_tokens += n  # a chunk that samples nothing
                 self._commit(seq)
                 continue
-            if isinstance(result, FailedSample):
+            if isinstance(result, SpecFailedSample):
                 self.errors[seq.seq_id] = result.reason
                 stops = True
             elif isinstance(result, int) and not isinstance(result, bool):
@@ -266,7 +266,7 @@ class Scheduler:
                 self.stats.prefill_tokens += n
             else:
                 self.stats.decode_tokens += 1
-            if not isinstance(result, FailedSample):
+            if not isinstance(result, SpecFailedSample):
                 self.stats.output_tokens += 1
             self._commit(seq)
         return finished

@@ -7,7 +7,9 @@ two layers of verification share one definition of "the same behaviour" (R11):
 * every call returns the same value, or both raise the same exception type;
 * a call that raises leaves both allocators and the sequence exactly as they were;
 * every live sequence has the same block table and ``num_cached_tokens`` on both sides;
-* snapshots are equal, and R12's invariants hold on both with the live sequences.
+* snapshots are equal field by field (``assert_same_record``: the spec's record is its
+  own, so the field names are compared too), and R12's invariants hold on both with the
+  live sequences.
 
 The engine's ``hash_algorithm`` is matched on the spec side by the same hash written as
 a plain ``hash_fn`` (``SPEC_HASHES``); sequences may carry a cache salt (R4s).
@@ -15,14 +17,17 @@ a plain ``hash_fn`` (``SPEC_HASHES``); sequences may carry a cache salt (R4s).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from paged_engine.engine.block_manager import BlockManager, HashFn
+from paged_engine.engine.outputs import FailedSample
 from paged_engine.engine.sequence import Sequence
 from spec.block_manager import BlockManager as SpecBlockManager
 from spec.hashing import sha256_block_hash, xxh64_block_hash
+from spec.records import SpecFailedSample
 from spec.sequence import SpecSequence
 
 EngineFactory = Callable[..., BlockManager]
@@ -49,6 +54,41 @@ class Pair:
     def decoding(self) -> bool:
         """Allocated, all but the newest (sampled, not yet computed) token cached."""
         return self.allocated and self.spec.num_cached_tokens == len(self.spec) - 1 > 0
+
+
+# ---- the spec's records against the engine's ----------------------------------------------
+
+
+def record_fields(record: Any) -> dict[str, Any]:
+    """A dataclass record's fields by name, values as they are (no copies)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+def assert_same_record(spec: Any, engine: Any, what: str) -> None:
+    """The spec's record (snapshot, statistics) and the engine's hold the same fields, by
+    name, with equal values. The spec's records are its own (spec/records.py), so a field
+    one side has and the other lacks is named, and so is every field whose values differ."""
+    ours, theirs = record_fields(spec), record_fields(engine)
+    only_engine = [n for n in theirs if n not in ours]
+    only_spec = [n for n in ours if n not in theirs]
+    assert not only_engine and not only_spec, (
+        f"{what}: fields of the engine's {type(engine).__name__} missing from the spec's "
+        f"{type(spec).__name__}: {only_engine}; of the spec's missing from the engine's: "
+        f"{only_spec}"
+    )
+    differ = [f"{n}: spec {v!r}, engine {theirs[n]!r}" for n, v in ours.items() if theirs[n] != v]
+    assert not differ, f"{what} differ: " + "; ".join(differ)
+
+
+def spec_result(result: Any) -> Any:
+    """A model runner's result for one sequence, as the spec scheduler takes it: the
+    engine's ``FailedSample`` becomes the spec's ``SpecFailedSample`` (same reason); a
+    token or None passes as it is. Anything else is the caller's mistake: TypeError."""
+    if isinstance(result, FailedSample):
+        return SpecFailedSample(result.reason)
+    if result is None or (isinstance(result, int) and not isinstance(result, bool)):
+        return result
+    raise TypeError(f"spec_result: {result!r} is not a token, None or a FailedSample")
 
 
 _SLOTS: dict[type, tuple[str, ...]] = {}
@@ -134,7 +174,7 @@ class Lockstep:
         return outs[0][1]
 
     def check(self) -> None:
-        assert self.spec.snapshot() == self.engine.snapshot()
+        assert_same_record(self.spec.snapshot(), self.engine.snapshot(), "snapshots")
         assert self.spec.num_free_blocks == self.engine.num_free_blocks
         for p in self.pairs:
             assert p.spec.block_table == p.engine.block_table, (p.spec, p.engine)
@@ -199,7 +239,7 @@ class Lockstep:
         before = self.spec.snapshot()
         reset = self.both(None, lambda bm, s: bm.reset_prefix_cache())
         after = self.spec.snapshot()
-        assert self.engine.snapshot() == after, "spec and engine reset differently"
+        assert_same_record(after, self.engine.snapshot(), "snapshots after the reset")
         if not reset:
             assert after == before, "a refused reset changed the allocator"
         else:

@@ -3,14 +3,18 @@
 ``spec.scheduler.Scheduler`` on the spec allocator and spec sequences, and the engine's
 ``Scheduler`` on the engine's allocator and ``Sequence``s, get the same requests and the
 same model results (``model_result``: a hash of the sequence's context and completion
-index, a failed sample at a drawn position). After every step the machine compares:
+index, a failed sample at a drawn position; the engine's ``FailedSample`` reaches the spec
+as its own ``SpecFailedSample``, through ``spec_result``). After every step the machine
+compares:
 
 * what ``schedule`` returned (or raised): the batch (sequences by name, tokens each),
   prefill or decode;
 * what ``postprocess`` finished, or what ``recover`` preempted after a fault;
 * the queues in order (so every preemption: who, and where it went), each sequence's
-  tokens, counters, table, status and first-admission prefix hits, the errors, every
-  statistic, and the allocators' snapshots (R11) and invariants (R12);
+  tokens, counters, table, status and first-admission prefix hits, the errors, the
+  statistics field by field (the spec's record is its own: a field either side lacks is
+  named, as is each value that differs), and the allocators' snapshots (R11, field by
+  field too) and invariants (R12);
 * each delivered sequence's finish reason and stop reason, and its tokens against the
   model run alone (``reference``).
 
@@ -25,7 +29,6 @@ scheduler that stops making progress fails a check instead of hanging.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 from dataclasses import dataclass
@@ -40,7 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.indexing import num_blocks
 from paged_engine.engine.outputs import FailedSample
-from paged_engine.engine.scheduler import Scheduler, SchedulerStats
+from paged_engine.engine.scheduler import Scheduler
 from paged_engine.engine.sequence import Sequence
 from paged_engine.sampling_params import SamplingParams
 from spec.block_manager import BlockManager as SpecBlockManager
@@ -48,6 +51,7 @@ from spec.hashing import sha256_block_hash, xxh64_block_hash
 from spec.scheduler import Scheduler as SpecScheduler
 from spec.scheduler import SpecRequest
 from tests.fake_model import Fault
+from tests.lockstep import assert_same_record, spec_result
 
 VOCAB = 3
 """Prompt tokens: so few that blocks repeat, and prefix hits and deferrals are common."""
@@ -58,7 +62,6 @@ ALLOCATOR_CALLS = ("can_allocate", "allocate", "can_append", "may_append", "hash
 DRAIN_STEPS = 3_000
 """Teardown's bound on steps to drain: past it the scheduler has stopped making progress,
 and a check fails instead of the test hanging."""
-STATS = [f.name for f in dataclasses.fields(SchedulerStats)]
 SEQ_STATE = attrgetter(
     "token_ids", "num_tokens", "last_token", "num_cached_tokens", "num_scheduled_tokens",
     "block_table", "is_prefill", "num_prefix_hit_tokens",
@@ -330,13 +333,15 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             self._check_batch(*batches[0])
             self._same_state()
             batch, is_prefill = scheduled[0][1]
-            results = [self._result(s) for s in batch]
+            results = [self._result(s) for s in batch]  # the engine's, in the engine's types
+            fed = ([spec_result(r) for r in results], results)
 
             def finish(side: int) -> Any:
                 if faults:
                     faults[side].tick("the model")
                 sched = sides[side]
-                return self._names(sched.postprocess(scheduled[side][1][0], results, is_prefill))
+                done = sched.postprocess(scheduled[side][1][0], fed[side], is_prefill)
+                return self._names(done)
 
             done = [_outcome(lambda i=i: finish(i)) for i in (0, 1)]
             self._compare_outcomes(done, faults, "postprocess")
@@ -448,9 +453,8 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                 {self.engine_names[k]: v for k, v in engine.errors.items()},
             ]
             assert errors[0] == errors[1], f"errors: {errors}"
-            stats = [{f: getattr(st, f) for f in STATS} for st in (spec.stats, engine.stats)]
-            assert stats[0] == stats[1], f"statistics: spec {stats[0]}, engine {stats[1]}"
-            assert self.spec_bm.snapshot() == self.engine_bm.snapshot(), "allocators diverged"
+            assert_same_record(spec.stats, engine.stats, "statistics")
+            assert_same_record(self.spec_bm.snapshot(), self.engine_bm.snapshot(), "snapshots")
             self.spec_bm.check_invariants(list(spec.running))
             self.engine_bm.check_invariants(engine.running)
             assert all(not s.block_table for s in spec.waiting + spec.finished)

@@ -113,7 +113,7 @@ def test_diff_of_the_real_pair_passes() -> None:
     result = run_diff(
         DiffJob(
             "needs_new_block",
-            "spec.diff_targets.needs_new_block_engine",
+            "tests.test_spec_diff_targets.needs_new_block_engine",
             "spec.diff_targets.needs_new_block_spec",
             4,
             must_exhaust=True,

@@ -2,7 +2,7 @@
 allocator (spec/block_manager.py) and the reference scheduler (spec/scheduler.py).
 
 Each section names what it kills. Expected values are written out by hand from the rules
-(DESIGN.md's R1-R13, the spec scheduler's S1-S12 docstrings), never computed by the spec.
+(the allocator's R1-R13, the spec scheduler's S1-S12 docstrings), never computed by the spec.
 Refusal messages are checked where both twins say the same words: the allocator's in full
 (the engine's ``BlockManager`` raises the identical strings; tests/test_invariants.py
 matches them), a scheduler stall by the words both twins' messages start with.
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from paged_engine.engine.outputs import FailedSample
 from spec.block_manager import BlockManager
+from spec.records import SpecFailedSample
 from spec.scheduler import Scheduler, SpecRequest
 from spec.sequence import SpecSequence
 from tests.kills.test_spec_kills import _allocated, _state
@@ -311,7 +311,7 @@ def test_recover_forgets_the_error_of_a_failed_sample_it_sends_back() -> None:
     sched.add(seq)
     batch, is_prefill = sched.schedule()
     bm.armed = True  # the failed sample finishes it, and its release raises
-    outcome = _outcome(lambda: sched.postprocess(batch, [FailedSample("nan")], is_prefill))
+    outcome = _outcome(lambda: sched.postprocess(batch, [SpecFailedSample("nan")], is_prefill))
     assert outcome == (RuntimeError, "injected fault in deallocate")
     assert _names(sched.recover()) == ["s"]
     assert sched.errors == {}

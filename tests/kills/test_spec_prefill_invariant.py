@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from paged_engine.engine.outputs import FailedSample
 from spec.block_manager import BlockManager
+from spec.records import SpecFailedSample
 from spec.scheduler import Scheduler, SpecRequest
 
 # --------------------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def _drive(seed: int) -> int:
             else:
                 r = rng.random()
                 results.append(
-                    "?" if r < 0.05 else FailedSample("x") if r < 0.1 else rng.randrange(5)
+                    "?" if r < 0.05 else SpecFailedSample("x") if r < 0.1 else rng.randrange(5)
                 )
         try:
             sched.postprocess(batch, results, is_prefill)
