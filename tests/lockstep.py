@@ -11,6 +11,9 @@ two layers of verification share one definition of "the same behaviour" (R11):
   own, so the field names are compared too), and R12's invariants hold on both with the
   live sequences.
 
+``CheckedBlockManager`` is the engine's allocator checking, at every call a scheduler
+makes, what the scheduler must keep between calls (the scheduler machine uses it).
+
 The engine's ``hash_algorithm`` is matched on the spec side by the same hash written as
 a plain ``hash_fn`` (``SPEC_HASHES``); sequences may carry a cache salt (R4s).
 """
@@ -89,6 +92,63 @@ def spec_result(result: Any) -> Any:
     if result is None or (isinstance(result, int) and not isinstance(result, bool)):
         return result
     raise TypeError(f"spec_result: {result!r} is not a token, None or a FailedSample")
+
+
+# ---- the engine's allocator, checked at every call a scheduler makes -----------------------
+
+
+class ContractBreach(AssertionError):
+    """A check of ``CheckedBlockManager`` failed inside the caller's call: a catch by the
+    machine's own check (the scheduler broke the allocator's contract), not a crash."""
+
+
+class CheckedBlockManager(BlockManager):
+    """The engine's allocator, checking before each call the scheduler makes what the
+    scheduler must keep between calls: R12 with every live sequence's table (so a table
+    changed behind the allocator's back shows at the next call, inside the step that
+    did it) and, for decode growth (R7), that the sequence is decoding: its context
+    computed but for its newest token (S6). ``live`` returns the live sequences."""
+
+    def __init__(self, *args: Any, live: Callable[[], list[Sequence]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.live = live
+
+    def _check(self, call: str, seq: Sequence, growth: bool = False) -> None:
+        try:
+            self.check_invariants(self.live())
+        except AssertionError as broken:
+            raise ContractBreach(
+                f"before {call}({seq}): R12 with the live tables: {broken}"
+            ) from broken
+        if growth and seq.num_cached_tokens != seq.num_tokens - 1:
+            raise ContractBreach(
+                f"{call}({seq}): decode growth of a sequence that is not decoding "
+                f"({seq.num_cached_tokens} of {seq.num_tokens} tokens computed)"
+            )
+
+    def can_allocate(self, seq: Sequence) -> int | None:
+        self._check("can_allocate", seq)
+        return super().can_allocate(seq)
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+        self._check("allocate", seq)
+        super().allocate(seq, num_cached_blocks)
+
+    def can_append(self, seq: Sequence) -> bool:
+        self._check("can_append", seq, growth=True)
+        return super().can_append(seq)
+
+    def may_append(self, seq: Sequence) -> None:
+        self._check("may_append", seq, growth=True)
+        super().may_append(seq)
+
+    def hash_blocks(self, seq: Sequence) -> None:
+        self._check("hash_blocks", seq)
+        super().hash_blocks(seq)
+
+    def deallocate(self, seq: Sequence) -> None:
+        self._check("deallocate", seq)
+        super().deallocate(seq)
 
 
 _SLOTS: dict[type, tuple[str, ...]] = {}

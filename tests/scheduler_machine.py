@@ -16,7 +16,12 @@ compares:
   named, as is each value that differs), and the allocators' snapshots (R11, field by
   field too) and invariants (R12);
 * each delivered sequence's finish reason and stop reason, and its tokens against the
-  model run alone (``reference``).
+  model run alone (``reference``);
+* inside each step, at every call the engine's scheduler makes to its allocator
+  (``CheckedBlockManager``): R12 with the live tables, and that decode growth is asked
+  only for decoding sequences (S6). A scheduler that breaks either is caught in the
+  step that does it, by that check, before the allocator's own refusal or a stall can
+  surface as a crash.
 
 Rules add requests (shared prefixes, cache salts, ``n`` completions, ``max_tokens=None``,
 stop tokens, EOS sets), step, fault a step (at a drawn allocator call or the model, with
@@ -40,7 +45,6 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.indexing import num_blocks
 from paged_engine.engine.outputs import FailedSample
 from paged_engine.engine.scheduler import Scheduler
@@ -51,7 +55,7 @@ from spec.hashing import sha256_block_hash, xxh64_block_hash
 from spec.scheduler import Scheduler as SpecScheduler
 from spec.scheduler import SpecRequest
 from tests.fake_model import Fault
-from tests.lockstep import assert_same_record, spec_result
+from tests.lockstep import CheckedBlockManager, ContractBreach, assert_same_record, spec_result
 
 VOCAB = 3
 """Prompt tokens: so few that blocks repeat, and prefix hits and deferrals are common."""
@@ -164,12 +168,13 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             """What the model returns for a chunk that samples nothing (None, or a token)."""
             spec_cls = SpecBlockManager if prefix_caching else SpecPlainBlockManager
             self.spec_bm = spec_cls(pool, block_size, hash_fn=SPEC_HASHES[hash_name])
-            self.engine_bm = BlockManager(
+            self.engine_bm = CheckedBlockManager(
                 pool,
                 block_size,
                 enable_prefix_caching=prefix_caching,
                 hash_fn=colliding_hash if hash_name == "colliding" else None,
                 hash_algorithm="sha256" if hash_name == "sha256" else "xxh64",
+                live=lambda: [t.engine for t in self.twins],
             )
             limits = dict(
                 max_num_seqs=max_num_seqs,
@@ -355,7 +360,11 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
         ) -> None:
             """Both returned, or both raised the injected fault at the same call. The spec
             raises nothing else on valid traffic (if it does, that surfaces as is); an
-            engine that raises anything else differs from the spec."""
+            engine that raises anything else differs from the spec, unless what it raised
+            is a check of the machine's own (``ContractBreach``): that is reported as is."""
+            for kind, value in outs:
+                if kind == "raised" and isinstance(value, ContractBreach):
+                    raise value
             for side, (kind, value) in enumerate(outs):
                 injected = faults is not None and faults[side].fired and "injected" in str(value)
                 if kind == "raised" and not injected:

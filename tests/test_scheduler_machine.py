@@ -1,6 +1,7 @@
 """The scheduler spec against the engine's scheduler: the lockstep machine (see
-tests/scheduler_machine.py) over the real scheduler, and exact examples of the deferral
-rule (S5) run on both, with the defect it replaced shown by its mutant."""
+tests/scheduler_machine.py) over the real scheduler, exact examples of the deferral rule
+(S5) run on both, with the defect it replaced shown by its mutant, and the machine's
+in-step allocator check (``CheckedBlockManager``) shown to fire."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from paged_engine.sampling_params import SamplingParams
 from spec.block_manager import BlockManager as SpecBlockManager
 from spec.scheduler import Scheduler as SpecScheduler
 from spec.scheduler import SpecRequest
+from tests.lockstep import CheckedBlockManager, ContractBreach
 from tests.scheduler_machine import make_machine
 from tests.scheduler_mutants import DeferByPosition
 
@@ -128,3 +130,32 @@ def test_a_true_deferral_still_waits_for_the_hit() -> None:
         batches, hits = drive(side, 16, [[a, b]])
         assert batches == [[("A", 9)], [("B", 1)]], side
         assert hits == {"A": 0, "B": 8}, side
+
+
+def test_the_checked_allocator_names_a_table_changed_behind_its_back() -> None:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    live: list[Sequence] = []
+    bm = CheckedBlockManager(8, 2, live=lambda: live)
+    a, b = Sequence([1, 2, 3], params, block_size=2), Sequence([4, 5, 6], params, block_size=2)
+    live += [a, b]
+    bm.allocate(a, bm.can_allocate(a) or 0)  # the control: calls within the contract pass
+    a.block_table.clear()  # what a preemption that skips deallocate leaves (ref counts kept)
+    with pytest.raises(ContractBreach, match=r"before can_allocate.*table holders"):
+        bm.can_allocate(b)
+
+
+def test_the_checked_allocator_refuses_growth_of_a_sequence_not_decoding() -> None:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    seq = Sequence([1, 2, 3], params, block_size=2)
+    bm = CheckedBlockManager(8, 2, live=lambda: [seq])
+    bm.allocate(seq, 0)  # nothing computed yet: a prefill
+    for call in (bm.can_append, bm.may_append):
+        with pytest.raises(ContractBreach, match=r"not decoding \(0 of 3 tokens computed\)"):
+            call(seq)
+    seq.num_scheduled_tokens = 3
+    bm.hash_blocks(seq)
+    seq.num_cached_tokens = 3
+    seq.append_token(7)  # decoding now: all but the newest token computed
+    assert bm.can_append(seq) is True
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2
