@@ -49,7 +49,8 @@ def engine_imports(source: str, filename: str) -> list[str]:
             arg = node.args[0]
             if called in ("import_module", "__import__") and isinstance(arg, ast.Constant):
                 names = [arg.value if isinstance(arg.value, str) else None]
-        found += [f"{filename}:{node.lineno}: {n}" for n in names if _is_forbidden(n)]
+        line = getattr(node, "lineno", 0)
+        found += [f"{filename}:{line}: {n}" for n in names if _is_forbidden(n)]
     return found
 
 

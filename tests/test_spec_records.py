@@ -119,7 +119,7 @@ def test_the_spec_refuses_the_engine_marker_untranslated() -> None:
     sched.add(seq)
     batch, is_prefill = sched.schedule()
     with pytest.raises(RuntimeError, match="the model returned FailedSample"):
-        sched.postprocess(batch, [FailedSample("nan")], is_prefill)
+        sched.postprocess(batch, [FailedSample("nan")], is_prefill)  # type: ignore[list-item]
     sched.recover()
     batch, is_prefill = sched.schedule()
     assert sched.postprocess(batch, [SpecFailedSample("nan")], is_prefill) == [seq]
