@@ -3,13 +3,19 @@ is allocated."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from paged_engine.engine.hashing import HASH_ALGORITHMS, HashAlgorithm
+
+# The machine's probes live in platform.py (torch-free at import, like this module); the
+# names stay importable from here.
+from paged_engine.platform import available_memory_bytes as available_memory_bytes
+from paged_engine.platform import default_num_threads as default_num_threads
+from paged_engine.platform import openmp_runtime_loaded as openmp_runtime_loaded
+from paged_engine.platform import openmp_waits_passively as openmp_waits_passively
+from paged_engine.platform import prepare_openmp as prepare_openmp
+from paged_engine.platform import usable_physical_cores as usable_physical_cores
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton", "flash-attn")
@@ -22,117 +28,6 @@ CPU_MAX_NUM_BATCHED_TOKENS = 1024
 """``EngineConfig.max_num_batched_tokens``' default on CPU (see there)."""
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 """``EngineConfig.max_num_batched_tokens``' default on CUDA."""
-
-
-_OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
-
-
-def openmp_runtime_loaded() -> bool:
-    """Whether an OpenMP runtime (GNU's libgomp, which torch's CPU wheels bundle, Intel's
-    or LLVM's) is already mapped into this process: it read ``OMP_WAIT_POLICY`` then, so
-    setting the variable now changes nothing. torch being imported counts as loaded."""
-    if "torch" in sys.modules:
-        return True
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        return False
-    return any(lib in maps for lib in _OPENMP_LIBRARIES)
-
-
-def prepare_openmp() -> None:
-    """Ask OpenMP to wait passively (``OMP_WAIT_POLICY=PASSIVE``, unless the variable is
-    already set) when no OpenMP runtime is loaded yet. ``import paged_engine`` calls this,
-    so it is in effect whenever paged_engine is imported before torch (the CLI always is)."""
-    if not openmp_runtime_loaded():
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def openmp_waits_passively() -> bool:
-    """``OMP_WAIT_POLICY`` is PASSIVE (any case). Read from the environment, so a value set
-    after torch was imported is believed though the runtime never saw it: set it before."""
-    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
-
-
-def _sys_cpu_file(cpu: int, name: str) -> str | None:
-    try:
-        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/{name}") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _cgroup_cpu_limit() -> int | None:
-    """CPUs granted by a cgroup v2 quota (``cpu.max``, rounded up), None when unlimited."""
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        return max(1, -(-int(quota) // int(period)))
-    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
-        return None
-
-
-def usable_physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (``sched_getaffinity``):
-    SMT siblings (one ``core_cpus_list`` in /sys) count once; a CPU whose topology cannot
-    be read counts as a core of its own. Capped by a cgroup CPU quota. Without affinity
-    information (not Linux): ``os.cpu_count()``, which counts logical CPUs."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-    cores = set()
-    for cpu in cpus:
-        siblings = _sys_cpu_file(cpu, "core_cpus_list") or _sys_cpu_file(
-            cpu, "thread_siblings_list"
-        )
-        cores.add(siblings if siblings else f"cpu{cpu}")
-    n = max(1, len(cores))
-    quota = _cgroup_cpu_limit()
-    return n if quota is None else min(n, quota)
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):  # absent, or "max" (no limit)
-        return None
-
-
-def available_memory_bytes() -> int | None:
-    """Memory this process could still take: /proc/meminfo's MemAvailable (else the free
-    pages, ``SC_AVPHYS_PAGES``), and no more than a cgroup v2 ``memory.max`` leaves over
-    ``memory.current``; None when nothing can be read."""
-    avail: int | None = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if avail is None:
-        with contextlib.suppress(AttributeError, OSError, ValueError):
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    limit = _read_int("/sys/fs/cgroup/memory.max")
-    used = _read_int("/sys/fs/cgroup/memory.current")
-    if limit is not None and used is not None:
-        room = max(0, limit - used)
-        avail = room if avail is None else min(avail, room)
-    return avail
-
-
-def default_num_threads() -> int:
-    """``EngineConfig.num_threads``' default (see there): ``OMP_NUM_THREADS`` when set to
-    a count; else, when OpenMP waits passively, the usable physical cores but one (at
-    least 1); else 1."""
-    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if env.isdigit() and int(env) >= 1:
-        return int(env)
-    return max(1, usable_physical_cores() - 1) if openmp_waits_passively() else 1
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -189,7 +84,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = field(default_factory=default_num_threads)
     """torch's intra-op CPU threads (process-wide: ``torch.set_num_threads``, when the
-    model runner starts); None leaves torch's own setting.
+    model runner starts); None leaves torch's own setting. The ranks of a tensor-parallel
+    group on the CPU share one machine: each takes at most its share of the usable physical
+    cores (``platform.threads_per_rank``: cores // ranks, at least 1).
 
     The default (``default_num_threads``): ``OMP_NUM_THREADS`` when set; else, when
     OpenMP waits passively, the physical cores this process may use (affinity, SMT

@@ -1,7 +1,9 @@
 """Defaults that make the CPU path work out of the box: the automatic KV pool (sized from
 the model and ``max_num_seqs x max_model_len``, capped by available memory, explicit
 settings winning) and the thread count (the physical cores but one, and only when OpenMP
-waits passively; ``import paged_engine`` asks for that before torch loads)."""
+waits passively; ``import paged_engine`` asks for that before torch loads; tensor-parallel
+ranks on the CPU share the cores). The probes live in ``paged_engine/platform.py``
+(tests/test_platform.py parses fake /proc and /sys files); ``config`` re-exports them."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import paged_engine.config as config
+import paged_engine.platform as platform
 import paged_engine.worker.kv_cache as kv_cache
 import paged_engine.worker.model_runner as model_runner
 from paged_engine import LLM, EngineConfig, SamplingParams
@@ -129,10 +133,10 @@ def test_physical_cores_count_smt_siblings_once(
     monkeypatch: pytest.MonkeyPatch, siblings: dict[int, str | None], cores: int
 ) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(siblings))
-    monkeypatch.setattr(config, "_sys_cpu_file", lambda cpu, name: siblings[cpu])
-    monkeypatch.setattr(config, "_cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(platform, "_sys_cpu_file", lambda cpu, name: siblings[cpu])
+    monkeypatch.setattr(platform, "_cgroup_cpu_limit", lambda: None)
     assert config.usable_physical_cores() == cores
-    monkeypatch.setattr(config, "_cgroup_cpu_limit", lambda: 1)
+    monkeypatch.setattr(platform, "_cgroup_cpu_limit", lambda: 1)
     assert config.usable_physical_cores() == 1
 
 
@@ -156,10 +160,61 @@ def test_default_threads(
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(config, "usable_physical_cores", lambda: cores)
+    monkeypatch.setattr(platform, "usable_physical_cores", lambda: cores)
     assert config.default_num_threads() == threads
     assert EngineConfig().num_threads == threads
     assert EngineConfig(num_threads=None).num_threads is None  # torch's own setting
+
+
+@pytest.mark.parametrize(
+    ("cores", "asked", "ranks", "each"),
+    [
+        (2, 1, 2, 1),  # issue 28's machine: two ranks, one core each
+        (2, 4, 2, 1),  # asking for more than the share gets the share
+        (8, 7, 2, 4),  # the single-process default (cores - 1) over two ranks
+        (8, 2, 2, 2),  # fewer than the share: as asked
+        (3, 5, 4, 1),  # more ranks than cores: still one thread each
+        (8, 7, 1, 7),  # one rank: as asked, even beyond the cores (a user's choice)
+    ],
+)
+def test_tensor_parallel_ranks_share_the_cores(
+    monkeypatch: pytest.MonkeyPatch, cores: int, asked: int, ranks: int, each: int
+) -> None:
+    monkeypatch.setattr(platform, "usable_physical_cores", lambda: cores)
+    assert platform.threads_per_rank(asked, ranks) == each
+
+
+@pytest.fixture
+def torch_threads() -> Any:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_tensor_parallel_rank_on_the_cpu_takes_its_share_of_the_cores(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, torch_threads: None
+) -> None:
+    """Issue 28: every TP rank took ``num_threads`` (cores - 1 by default), so TP=2 on 2
+    cores ran twice as many threads as cores. Rank 0 runs in this process: with 2 usable
+    cores (told so) and 4 threads asked, it takes 2 // 2 = 1."""
+    monkeypatch.setattr(platform, "usable_physical_cores", lambda: 2)
+    llm = LLM(
+        tiny_model_dir,
+        tensor_parallel_size=2,
+        num_threads=4,
+        num_kvcache_blocks=16,
+        max_model_len=64,
+    )
+    try:
+        assert llm.model_runner.tp.size == 2
+        assert torch.get_num_threads() == 1
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.close()
+    # One rank keeps the count it is given.
+    LLM(tiny_model_dir, num_threads=3, num_kvcache_blocks=16, max_model_len=64)
+    assert torch.get_num_threads() == 3
 
 
 PROBE = """

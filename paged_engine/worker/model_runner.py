@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from paged_engine.config import EngineConfig, openmp_waits_passively
+from paged_engine.config import EngineConfig
 from paged_engine.engine.outputs import FailedSample, SampleOutput, TokenLogprobs
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.attention import (
@@ -39,6 +39,7 @@ from paged_engine.layers.context import forward_context
 from paged_engine.layers.logprobs import prompt_logprobs, sampled_logprobs
 from paged_engine.layers.parallel import SINGLE, TPGroup, kv_head_split
 from paged_engine.layers.sampler import Sampler
+from paged_engine.platform import openmp_waits_passively, threads_per_rank
 from paged_engine.sampling_params import SEED_MODULUS
 from paged_engine.utils.loader import load_model, process_weights_after_loading
 from paged_engine.utils.model_config import head_dim, load_config
@@ -123,12 +124,7 @@ class ModelRunner:
         if not measured_pool:
             self.num_kvcache_blocks = self._agreed_pool_size()
         if config.num_threads is not None:  # process-wide: only once nothing is refused
-            torch.set_num_threads(config.num_threads)
-            logger.info(
-                "torch CPU threads: %d (OpenMP waits %s)",
-                config.num_threads,
-                "passively" if openmp_waits_passively() else "actively: spins",
-            )
+            self._set_threads(config.num_threads)
         self.model, _ = load_model(
             path,
             device=self.device,
@@ -158,6 +154,21 @@ class ModelRunner:
             self.backend.name,
             str(self.dtype).removeprefix("torch."),
             self.device,
+        )
+
+    def _set_threads(self, num_threads: int) -> None:
+        """torch's intra-op threads for this process: ``num_threads``, except that the
+        ranks of a tensor-parallel group on the CPU share this machine's cores, so each
+        takes at most its share (``platform.threads_per_rank``)."""
+        ranks = self.tp.size if self.device.type == "cpu" else 1
+        threads = threads_per_rank(num_threads, ranks)
+        torch.set_num_threads(threads)
+        shared = f", rank {self.tp.rank} of {ranks} sharing this CPU ({num_threads} asked)"
+        logger.info(
+            "torch CPU threads: %d%s; OpenMP waits %s",
+            threads,
+            shared if ranks > 1 else "",
+            "passively" if openmp_waits_passively() else "actively: spins",
         )
 
     def _check_max_model_len(self, config: EngineConfig, path: Path) -> None:
