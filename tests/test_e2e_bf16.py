@@ -6,17 +6,26 @@ Greedy token identity holds only in float32 (tests/test_e2e.py): here both sides
 in bfloat16 and may part where two tokens are nearly tied. ``LOGPROB_ATOL`` is the largest
 logprob difference allowed at any compared position; the measured worst case on these
 prompts is printed by each test (run with -s).
+
+These run on whatever this CPU does (oneDNN-packed bfloat16 linears with AVX-512, dense
+``F.linear`` without; the decode variant and level the platform allows), and one test
+forces what a CPU without AVX-512 runs, so that AVX-512 machines test that path too.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM, SamplingParams, platform
+from paged_engine.kernels import paged_decode_cpu
+from paged_engine.layers.attention import cpu as cpu_backend
+from paged_engine.layers.linear import Linear
 from tests.kernel_mutants import CPU_MUTANTS
 from tests.logprobs_close import Generation, check_logprobs_close, hf_greedy_with_logprobs
 
@@ -119,3 +128,41 @@ def test_the_criterion_catches_a_wrong_kernel(
         check_logprobs_close(
             generate(llm, prompts), references, "paged_engine", "transformers", atol=LOGPROB_ATOL
         )
+
+
+def without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The platform layer describes this machine minus every AVX-512 and AMX feature, and
+    a oneDNN without bfloat16: what an AVX2-only CPU (AMD Zen 3, say) reports."""
+    cpu = platform.cpu_info()
+    flags = frozenset(f for f in cpu.flags if not f.startswith(("avx512", "amx")))
+    monkeypatch.setattr(platform, "cpu_info", lambda: replace(cpu, flags=flags))
+    no_bf16 = replace(platform.torch_cpu(), mkldnn_bf16=False)
+    monkeypatch.setattr(platform, "torch_cpu", lambda: no_bf16)
+
+
+def test_the_no_avx512_path_forced(
+    tiny_model_dir: Path,
+    prompts: list[list[int]],
+    references: list[Generation],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 28: ``LLM(dtype="bfloat16")`` crashed on CPUs without AVX-512 (oneDNN's
+    bfloat16 weight packing). Forced here on any CPU: no linear is packed, decode runs the
+    portable variant at most at x86-64-v3, and the generations meet the same criterion."""
+    without_avx512(monkeypatch)
+    launches: list[Any] = []
+    real = cpu_backend.check_paged_decode_cpu
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        launches.append(real(*args, **kwargs))
+        return launches[-1]
+
+    monkeypatch.setattr(cpu_backend, "check_paged_decode_cpu", recording)
+    llm = bf16_llm(tiny_model_dir, num_kvcache_blocks=256, max_model_len=256)
+    linears = [m for m in llm.model_runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m._packed is None for m in linears)
+    assert all(m.weight.dtype == torch.bfloat16 and m.weight.shape[0] > 0 for m in linears)
+    check(llm, prompts, references)
+    portable = paged_decode_cpu.BF16_VARIANTS["portable"]
+    allowed = {paged_decode_cpu.ISA_CODES[n] for n in ("baseline", "x86-64-v3")}
+    assert launches and all(x.bf16_variant == portable and x.isa in allowed for x in launches)

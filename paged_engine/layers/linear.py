@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine import platform
 from paged_engine.layers.parallel import SINGLE, TPGroup, kv_head_split, split
 
 ShardId = str | int | None
@@ -33,13 +34,16 @@ def _check_shape(param_part: torch.Tensor, loaded: torch.Tensor) -> None:
         raise ValueError(f"expected shape {tuple(param_part.shape)}, got {tuple(loaded.shape)}")
 
 
-_ONEDNN = (
-    torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-)
-"""torch's oneDNN linear ops (the ones its inductor uses for frozen CPU weights) exist."""
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+def packs(dtype: torch.dtype) -> bool:
+    """Whether ``Linear.process_weights_after_loading`` packs a CPU weight of ``dtype`` for
+    oneDNN on this machine (``platform.torch_cpu``): float32 wherever torch has oneDNN's
+    linear ops, bfloat16 only where oneDNN also computes bfloat16 here (x86: AVX512BW, VL
+    and DQ; elsewhere its reorder raises). Every other weight stays dense, on ``F.linear``,
+    which computes every dtype on every CPU."""
+    cpu = platform.torch_cpu()
+    if not cpu.onednn_linear:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.mkldnn_bf16)
 
 
 class Linear(nn.Module):
@@ -47,8 +51,10 @@ class Linear(nn.Module):
 
     On CPU, ``process_weights_after_loading`` (vLLM's name; the loader calls it once every
     weight is in) reorders the weight into oneDNN's blocked layout and matmuls through
-    oneDNN from then on, as vLLM's CPU build does. Why: ``F.linear`` hands a plain
-    row-major weight to the GEMM, which repacks it on every call. Packed once, the 29M
+    oneDNN from then on, as vLLM's CPU build does, where this machine's torch can
+    (``packs``: float32 with oneDNN, bfloat16 only where oneDNN computes bfloat16; any
+    other weight stays on ``F.linear``). Why: ``F.linear`` hands a plain row-major weight
+    to the GEMM, which repacks it on every call. Packed once, the 29M
     model's four projections ran 8-40% faster in float32 at 32, 512 and 2,048 rows, and
     13-29% faster in bfloat16 at 32 rows (a decode step; at 512 and 2,048 rows the two
     were within the noise) in one run of ``bench/test_linear_bench.py``, which reports
@@ -89,14 +95,10 @@ class Linear(nn.Module):
         part.copy_(loaded_weight)
 
     def process_weights_after_loading(self) -> None:
-        """Pack the weight for oneDNN (see the class), on CPU in float32 or bfloat16, once."""
+        """Pack the weight for oneDNN (see the class), on CPU where ``packs`` says this
+        machine can for its dtype, once; otherwise leave it dense."""
         w = self.weight
-        if (
-            not _ONEDNN
-            or self._packed is not None
-            or w.device.type != "cpu"
-            or w.dtype not in PACKED_DTYPES
-        ):
+        if self._packed is not None or w.device.type != "cpu" or not packs(w.dtype):
             return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         w.data = w.data.new_empty((0, self.input_size))
