@@ -23,6 +23,7 @@ from paged_engine.engine.inputs import Tokenizer
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request import RequestOutput
 from paged_engine.engine.stats import RunStats
+from paged_engine.errors import ModelConfigError
 from paged_engine.utils.loader import load_tokenizer
 from paged_engine.utils.model_config import eos_token_ids, load_config
 from paged_engine.worker.model_runner import ModelRunner
@@ -73,6 +74,19 @@ def _engine_config(kwargs: dict[str, Any]) -> tuple[EngineConfig, bool]:
     return EngineConfig(**values), "max_model_len" in values
 
 
+def _check_tokenizer_eos(eos: int, vocab_size: int, tokenizer_dir: Path) -> None:
+    """The tokenizer's eos (the fallback when neither config sets one) is a token of the
+    model's vocabulary: one outside could never be generated, and masking it (min_tokens)
+    would index past the logits."""
+    if eos >= vocab_size:
+        raise ModelConfigError(
+            str(tokenizer_dir / "tokenizer_config.json"),
+            f"the tokenizer's eos_token has id {eos}, outside the model's vocabulary "
+            f"(vocab_size {vocab_size})",
+            key="eos_token",
+        )
+
+
 class LLM:
     """A Qwen3 model from a local Hugging Face-format directory, served by the paged engine.
 
@@ -113,6 +127,7 @@ class LLM:
         eos = eos_token_ids(model_dir, hf_config)
         if eos is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (int(self.tokenizer.eos_token_id),)
+            _check_tokenizer_eos(eos[0], int(hf_config.vocab_size), tokenizer_dir)
         self._closed = False
         if engine_config.tensor_parallel_size == 1:
             self.model_runner = ModelRunner(model_dir, engine_config)

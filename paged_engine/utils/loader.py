@@ -10,6 +10,19 @@ Under tensor parallelism each rank reads only its slices: a parameter that carri
 ``checkpoint_slice`` (``layers/linear.py``, ``layers/embed_head.py``) names the part of
 the checkpoint tensor it holds, and only that part is read (safetensors ``get_slice``,
 which reads the bytes of the slice from the file, never the whole tensor).
+
+**What is read.** Only files inside the model directory: an index whose ``weight_map``
+names an absolute path or one with ``..`` is refused (``ModelConfigError`` naming the
+index and the entry), as is a weight file that is not a regular file (a FIFO, a device
+such as ``/dev/zero``, a directory). A symlink inside the directory is followed, whatever
+it points at: Hugging Face's cache lays a snapshot out as symlinks into a ``blobs``
+directory beside it (``snapshots/<rev>/model.safetensors -> ../../blobs/<hash>``), and
+whoever can place a symlink in the directory can as well replace the file it stands for.
+The threat refused is a downloaded text file (the index) steering the loader elsewhere.
+Every tensor must be a floating type (``FLOAT_TENSOR_DTYPES``): this engine has no
+quantized path, so an integer (``I8``), boolean or 8-bit float tensor in a checkpoint
+that declares a floating dtype is refused, naming the tensor and its file, rather than
+cast into garbage weights.
 """
 
 from __future__ import annotations
@@ -17,23 +30,30 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from paged_engine.errors import ModelConfigError
 from paged_engine.layers.parallel import SINGLE, TPGroup
 from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3ForCausalLM
-from paged_engine.utils.model_config import load_config, read_json_object
+from paged_engine.utils.model_config import (  # load_tokenizer: re-exported
+    CONFIG_FILE,
+    load_config,
+    load_tokenizer,
+    read_json_object,
+)
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig
 
     from paged_engine.layers.attention import AttentionBackend
 
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+FLOAT_TENSOR_DTYPES = ("F16", "BF16", "F32", "F64")
+"""safetensors dtypes a checkpoint's tensors may have (cast to the run's dtype on load)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,6 +64,26 @@ class _Target:
     shard_id: str | int | None
 
 
+def _shard_path(model_dir: Path, name: str, index_path: Path) -> Path:
+    """The shard file an index entry names, confined to ``model_dir`` (module docstring)."""
+    rel = PurePosixPath(name)
+    if not name or rel.is_absolute() or ".." in rel.parts or "\\" in name:
+        raise ModelConfigError(
+            str(index_path),
+            f"weight_map names {name!r}: shard files must be named by paths inside the "
+            "model directory (relative, without '..')",
+            key="weight_map",
+        )
+    return model_dir / rel
+
+
+def _check_regular(path: Path, named_by: Path) -> None:
+    if path.exists() and not path.is_file():  # both follow symlinks
+        raise ModelConfigError(
+            str(path), f"is not a regular file (named by {named_by})", key=path.name
+        )
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files: the index's shards when an index exists, else every file."""
     index_path = model_dir / INDEX_FILE
@@ -52,13 +92,19 @@ def _weight_files(model_dir: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()
         ):
-            raise ValueError(f"{index_path} has no weight_map of tensor names to file names")
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (model_dir / n).is_file()]
+            raise ModelConfigError(
+                str(index_path), "has no weight_map of tensor names to file names", "weight_map"
+            )
+        files = [_shard_path(model_dir, n, index_path) for n in sorted(set(weight_map.values()))]
+        for f in files:
+            _check_regular(f, index_path)
+        missing = [str(f.relative_to(model_dir)) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{index_path} names shard files that are missing: {missing}")
-        return [model_dir / n for n in names]
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
+    for f in files:
+        _check_regular(f, model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
     return files
@@ -86,8 +132,21 @@ def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Pa
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 if name in shapes:
                     raise ValueError(f"tensor {name} appears in both {shapes[name][1]} and {path}")
-                shapes[name] = (tuple(f.get_slice(name).get_shape()), path)
+                tensor = f.get_slice(name)
+                _check_tensor_dtype(name, tensor.get_dtype(), path)
+                shapes[name] = (tuple(tensor.get_shape()), path)
     return shapes
+
+
+def _check_tensor_dtype(name: str, dtype: str, path: Path) -> None:
+    if dtype not in FLOAT_TENSOR_DTYPES:
+        raise ModelConfigError(
+            str(path),
+            f"tensor {name} is {dtype}, not a floating type ({', '.join(FLOAT_TENSOR_DTYPES)}): "
+            f"{path.parent / CONFIG_FILE} declares a floating-point checkpoint, and this "
+            "engine loads no quantized weights",
+            key=name,
+        )
 
 
 def _target(checkpoint_name: str) -> _Target:
@@ -192,8 +251,9 @@ def load_model(
     ``config`` is the directory's config as ``load_config`` returned it (read and
     validated here when None). Raises FileNotFoundError (directory, config.json, shard or
     weight files missing) or ValueError (config.json or a weight file unreadable,
-    unsupported architecture or settings; missing, unexpected or misshapen tensors, each
-    named) before anything is allocated on ``device``.
+    unsupported architecture or settings; a weight path outside the directory; missing,
+    unexpected, misshapen or non-floating tensors, each named) before anything is
+    allocated on ``device``.
     """
     path = Path(model_dir)
     if config is None:
@@ -233,12 +293,4 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
             finish()
 
 
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
-    """The directory's tokenizer, or None when it has no tokenizer files."""
-    path = Path(model_dir)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return tokenizer
+__all__ = ["load_model", "load_tokenizer", "process_weights_after_loading"]
