@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from paged_engine.config import EngineConfig
+from paged_engine.engine.outputs import FailedSample
 from paged_engine.engine.sequence import Sequence as EngineSequence
 from paged_engine.layers import logits_processors
 from paged_engine.layers.logits_processors import apply_logits_processors
@@ -386,12 +387,15 @@ def test_a_bias_moves_only_its_own_row() -> None:
     assert got[1] == int(second.argmax()) != best[1]
 
 
-def test_a_bias_beyond_the_vocabulary_is_refused_naming_it() -> None:
-    logits = _random_logits(1, seed=6)
-    with pytest.raises(ValueError, match="logit_bias"):
-        Sampler()(logits, [SamplingParams(logit_bias={V: 1.0})], [None])
+def test_a_bias_beyond_the_vocabulary_fails_its_row_alone_naming_it() -> None:
+    # check_request refuses such a bias at admission; the sampler still fails only its row
+    logits = _random_logits(2, seed=6)
+    greedy = SamplingParams(temperature=0)
+    got = Sampler()(logits, [SamplingParams(logit_bias={V: 1.0}), greedy], [None, None])
+    assert isinstance(got[0], FailedSample) and f"logit_bias names token {V}" in got[0].reason
+    assert got[1] == int(logits[1].argmax())
 
 
 def test_penalties_need_a_history() -> None:
-    with pytest.raises(ValueError, match="history"):
-        Sampler()(_random_logits(1, seed=7), [SamplingParams(presence_penalty=1.0)], [None])
+    got = Sampler()(_random_logits(1, seed=7), [SamplingParams(presence_penalty=1.0)], [None])
+    assert isinstance(got[0], FailedSample) and "no token history" in got[0].reason

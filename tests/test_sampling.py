@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
 from paged_engine.layers.sampler import Sampler
 from paged_engine.sampling_params import SamplingParams
 
@@ -124,6 +125,16 @@ from paged_engine.sampling_params import SamplingParams
         ("logit_bias", {5: "1"}, TypeError),
         ("logit_bias", {5: None}, TypeError),
         ("logit_bias", ((5,),), TypeError),
+        ("allowed_token_ids", [], ValueError),
+        ("allowed_token_ids", [2, -1], ValueError),
+        ("allowed_token_ids", 3, TypeError),
+        ("allowed_token_ids", [True], TypeError),
+        ("bad_words", 3, TypeError),
+        ("bad_words", [b"x"], TypeError),
+        ("bad_words", ["  "], ValueError),
+        ("bad_words_token_ids", [[]], ValueError),
+        ("bad_words_token_ids", [3], TypeError),
+        ("bad_words_token_ids", [[1.5]], TypeError),
     ],
 )
 def test_every_refusal_names_its_field(field: str, value: Any, exc: type[Exception]) -> None:
@@ -133,6 +144,9 @@ def test_every_refusal_names_its_field(field: str, value: Any, exc: type[Excepti
     ):
         with pytest.raises(exc, match=field) as refused:
             build()
+        # the field travels with the error (errors.py), for callers that map it
+        structured = InvalidRequestTypeError if exc is TypeError else InvalidRequestError
+        assert type(refused.value) is structured and refused.value.field == field
         # the value refused, not the field unknown
         assert "unexpected keyword" not in str(refused.value)
         assert "unknown sampling parameter" not in str(refused.value)

@@ -6,7 +6,8 @@ refusals tests/test_sampling.py's table does not pin to their own message
 and ``Sequence`` (paged_engine/engine/sequence.py). Each row is a bad value, the exception
 type, and the words of *that* branch's message: where a later check would also refuse the
 value (``stop_token_ids="12"`` fails as a string and again as non-int tokens), only the
-message tells the branches apart. Both halves of the contract: the refusal, and nothing
+message tells the branches apart. Both halves of the contract: the refusal (an
+``errors.InvalidRequestError`` carrying the row's field and place), and nothing
 changed (no ``Sequence`` id consumed; an engine with a request in flight has the same
 queues, requests and allocator state, and still finishes that request).
 
@@ -30,6 +31,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.engine.inputs import check_request, parse_params, parse_prompt
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.sequence import Sequence
+from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
 from paged_engine.sampling_params import SamplingParams
 from tests.engine_machine import VOCAB, build_engine
 from tests.fake_model import FakeTokenizer
@@ -120,8 +122,9 @@ PARAM_ROWS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ("values", "exc", "match"), PARAM_ROWS, ids=[repr(r[0])[:40] for r in PARAM_ROWS]
 )
 def test_sampling_params_refuse(values: dict[str, Any], exc: type[Exception], match: str) -> None:
-    with pytest.raises(exc, match=match):
+    with pytest.raises(exc, match=match) as refused:
         SamplingParams(**values)
+    _check_structured(refused.value, exc, next(iter(values)), "")
 
 
 def test_stop_strings_without_detokenize_never_reach_a_request() -> None:
@@ -148,87 +151,175 @@ CONFIG = EngineConfig(
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
-PROMPT_ROWS: list[tuple[object, bool, type[Exception], str]] = [
-    # (prompt, with a tokenizer, exception, message)
-    ({"prompt": "<1>", "bogus": 1}, True, TypeError, r"unknown prompt key\(s\) \['bogus'\]"),
-    ({"prompt_token_ids": [1], "cache_salt": 3}, True, TypeError, "cache_salt must be a string"),
-    ({"prompt_token_ids": [1], "prompt": 5}, True, TypeError, "prompt must be a string, got 5"),
-    ({"prompt_token_ids": "12"}, True, TypeError, "prompt_token_ids must be a list of ints"),
-    ({"prompt_token_ids": 3}, True, TypeError, "prompt_token_ids must be a list of ints"),
-    ({"prompt": 5}, True, TypeError, "prompt must be a string, got 5"),
-    ({"prompt": [1, 2]}, True, TypeError, r"prompt must be a string, got \[1, 2\]"),
-    ({"cache_salt": "s"}, True, TypeError, "a prompt dict needs 'prompt' or 'prompt_token_ids'"),
-    ("<1><2>", False, TypeError, "a text prompt needs a tokenizer; pass token ids"),
-    ({"prompt": "<1>"}, False, TypeError, "a text prompt needs a tokenizer"),
-    (42, True, TypeError, "a prompt is a string, a list of token ids or a prompt dict, got int"),
-    ([], True, ValueError, "the prompt is empty"),
-    ({"prompt_token_ids": []}, True, ValueError, "the prompt is empty"),
-    ([1, "2"], True, TypeError, "token 1 is '2', not an int"),
-    ([1, True], True, TypeError, "token 1 is True, not an int"),
-    ([1, 1.0], True, TypeError, "token 1 is 1.0, not an int"),
-    ([1, VOCAB], True, ValueError, rf"token 1 is {VOCAB}, outside the vocabulary \[0, {VOCAB}\)"),
-    ([-1], True, ValueError, "token 0 is -1, outside the vocabulary"),
+PROMPT_ROWS: list[tuple[object, bool, type[Exception], str, str]] = [
+    # (prompt, with a tokenizer, exception, message, field)
+    (
+        {"prompt": "<1>", "bogus": 1},
+        True,
+        TypeError,
+        r"unknown prompt key\(s\) \['bogus'\]",
+        "prompt",
+    ),
+    (
+        {"prompt_token_ids": [1], "cache_salt": 3},
+        True,
+        TypeError,
+        "cache_salt must be a string",
+        "cache_salt",
+    ),
+    (
+        {"prompt_token_ids": [1], "prompt": 5},
+        True,
+        TypeError,
+        "prompt must be a string, got 5",
+        "prompt",
+    ),
+    (
+        {"prompt_token_ids": "12"},
+        True,
+        TypeError,
+        "prompt_token_ids must be a list of ints",
+        "prompt_token_ids",
+    ),
+    (
+        {"prompt_token_ids": 3},
+        True,
+        TypeError,
+        "prompt_token_ids must be a list of ints",
+        "prompt_token_ids",
+    ),
+    ({"prompt": 5}, True, TypeError, "prompt must be a string, got 5", "prompt"),
+    ({"prompt": [1, 2]}, True, TypeError, r"prompt must be a string, got \[1, 2\]", "prompt"),
+    (
+        {"cache_salt": "s"},
+        True,
+        TypeError,
+        "a prompt dict needs 'prompt' or 'prompt_token_ids'",
+        "prompt",
+    ),
+    ("<1><2>", False, TypeError, "a text prompt needs a tokenizer; pass token ids", "prompt"),
+    ({"prompt": "<1>"}, False, TypeError, "a text prompt needs a tokenizer", "prompt"),
+    (
+        42,
+        True,
+        TypeError,
+        "a prompt is a string, a list of token ids or a prompt dict, got int",
+        "prompt",
+    ),
+    ([], True, ValueError, "the prompt is empty", "prompt"),
+    ({"prompt_token_ids": []}, True, ValueError, "the prompt is empty", "prompt_token_ids"),
+    ([1, "2"], True, TypeError, "token 1 is '2', not an int", "prompt"),
+    ([1, True], True, TypeError, "token 1 is True, not an int", "prompt"),
+    ([1, 1.0], True, TypeError, "token 1 is 1.0, not an int", "prompt"),
+    (
+        [1, VOCAB],
+        True,
+        ValueError,
+        rf"token 1 is {VOCAB}, outside the vocabulary \[0, {VOCAB}\)",
+        "prompt",
+    ),
+    ([-1], True, ValueError, "token 0 is -1, outside the vocabulary", "prompt"),
+    (
+        {"prompt_token_ids": [1, VOCAB]},
+        True,
+        ValueError,
+        "token 1 is 5, outside",
+        "prompt_token_ids",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("prompt", "tokenizer", "exc", "match"), PROMPT_ROWS, ids=[repr(r[0]) for r in PROMPT_ROWS]
+    ("prompt", "tokenizer", "exc", "match", "field"),
+    PROMPT_ROWS,
+    ids=[repr(r[0]) for r in PROMPT_ROWS],
 )
 def test_parse_prompt_refuses(
-    prompt: object, tokenizer: bool, exc: type[Exception], match: str
+    prompt: object, tokenizer: bool, exc: type[Exception], match: str, field: str
 ) -> None:
     tok = FakeTokenizer() if tokenizer else None
-    with pytest.raises(exc, match=f"^where: .*{match}"):
+    with pytest.raises(exc, match=f"^where: .*{match}") as refused:
         parse_prompt(prompt, tok, VOCAB, "where")
+    _check_structured(refused.value, exc, field, "where")
+
+
+def _check_structured(error: BaseException, exc: type[Exception], field: str, where: str) -> None:
+    """The refusal carries its field and place (errors.py), as the type the row names."""
+    wanted = InvalidRequestTypeError if exc is TypeError else InvalidRequestError
+    assert type(error) is wanted, type(error)
+    assert (error.field, error.where) == (field, where)  # type: ignore[attr-defined]
 
 
 def _tokens(n: int) -> list[int]:
     return [i % VOCAB for i in range(n)]
 
 
-REQUEST_ROWS: list[tuple[list[int], SamplingParams, bool, str]] = [
-    # (prompt, params, with a tokenizer, message)
-    (_tokens(40), SamplingParams(max_tokens=1), True, r"the prompt \(40 tokens\) leaves no room"),
+REQUEST_ROWS: list[tuple[list[int], SamplingParams, bool, str, str]] = [
+    # (prompt, params, with a tokenizer, message, field)
+    (
+        _tokens(40),
+        SamplingParams(max_tokens=1),
+        True,
+        r"the prompt \(40 tokens\) leaves no room",
+        "prompt",
+    ),
     (
         _tokens(41),
         SamplingParams(max_tokens=None),
         True,
         r"the prompt \(41 tokens\) leaves no room",
+        "prompt",
     ),
     (
         _tokens(10),
         SamplingParams(max_tokens=31),
         True,
         r"prompt \(10 tokens\) \+ max_tokens \(31\) exceeds max_model_len \(40\)",
+        "max_tokens",
     ),
     (
         _tokens(10),
         SamplingParams(max_tokens=20),  # 29 computed tokens: 8 blocks
         True,
         "the request needs 8 KV blocks at full length but the pool has 6",
+        "max_tokens",
     ),
     (
         _tokens(3),
         SamplingParams(max_tokens=None),  # up to max_model_len: 39 computed, 10 blocks
         True,
         "the request needs 10 KV blocks at full length but the pool has 6",
+        "max_tokens",
     ),
-    (_tokens(3), SamplingParams(logprobs=21), True, "logprobs=21 is more than the 20 allowed"),
-    (_tokens(3), SamplingParams(prompt_logprobs=21), True, "prompt_logprobs=21 is more than"),
-    (_tokens(3), SamplingParams(stop="x"), False, "stop strings need a tokenizer"),
+    (
+        _tokens(3),
+        SamplingParams(logprobs=21),
+        True,
+        "logprobs=21 is more than the 20 allowed",
+        "logprobs",
+    ),
+    (
+        _tokens(3),
+        SamplingParams(prompt_logprobs=21),
+        True,
+        "prompt_logprobs=21 is more than",
+        "prompt_logprobs",
+    ),
+    (_tokens(3), SamplingParams(stop="x"), False, "stop strings need a tokenizer", "stop"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("prompt", "params", "tokenizer", "match"),
+    ("prompt", "params", "tokenizer", "match", "field"),
     REQUEST_ROWS,
     ids=[r[3][:30] for r in REQUEST_ROWS],
 )
 def test_check_request_refuses(
-    prompt: list[int], params: SamplingParams, tokenizer: bool, match: str
+    prompt: list[int], params: SamplingParams, tokenizer: bool, match: str, field: str
 ) -> None:
-    with pytest.raises(ValueError, match=f"^where: {match}"):
+    with pytest.raises(ValueError, match=f"^where: {match}") as refused:
         check_request(prompt, params, CONFIG, 6, "where", has_tokenizer=tokenizer)
+    _check_structured(refused.value, ValueError, field, "where")
 
 
 def test_check_request_accepts_the_limits() -> None:
@@ -239,16 +330,32 @@ def test_check_request_accepts_the_limits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("params", "exc", "match"),
+    ("params", "match", "field", "where"),
     [
-        ("greedy", TypeError, "where: sampling params must be SamplingParams or a dict"),
-        (0.5, TypeError, "where: sampling params must be SamplingParams or a dict"),
-        ({"temprature": 0.5}, TypeError, r"unknown sampling parameter\(s\) \['temprature'\]"),
+        (
+            "greedy",
+            "where: sampling params must be SamplingParams or a dict",
+            "sampling_params",
+            "where",
+        ),
+        (
+            0.5,
+            "where: sampling params must be SamplingParams or a dict",
+            "sampling_params",
+            "where",
+        ),
+        (
+            {"temprature": 0.5},
+            r"unknown sampling parameter\(s\) \['temprature'\]",
+            "temprature",
+            "",
+        ),
     ],
 )
-def test_parse_params_refuses(params: object, exc: type[Exception], match: str) -> None:
-    with pytest.raises(exc, match=match):
+def test_parse_params_refuses(params: object, match: str, field: str, where: str) -> None:
+    with pytest.raises(TypeError, match=match) as refused:
         parse_params(params, "where")
+    _check_structured(refused.value, TypeError, field, where)
 
 
 def _engine(tokenizer: bool) -> LLMEngine:
@@ -265,13 +372,13 @@ def _state(engine: LLMEngine) -> object:
     )
 
 
-ENGINE_ROWS = [(p, None, t, e, m) for p, t, e, m in PROMPT_ROWS] + [
-    (p, sp, t, ValueError, m) for p, sp, t, m in REQUEST_ROWS
+ENGINE_ROWS = [(p, None, t, e, m, f) for p, t, e, m, f in PROMPT_ROWS] + [
+    (p, sp, t, ValueError, m, f) for p, sp, t, m, f in REQUEST_ROWS
 ]
 
 
 @pytest.mark.parametrize(
-    ("prompt", "params", "tokenizer", "exc", "match"),
+    ("prompt", "params", "tokenizer", "exc", "match", "field"),
     ENGINE_ROWS,
     ids=[f"{r[3].__name__}-{r[4][:30]}" for r in ENGINE_ROWS],
 )
@@ -281,13 +388,15 @@ def test_a_refused_request_leaves_the_engine_as_it_was(
     tokenizer: bool,
     exc: type[Exception],
     match: str,
+    field: str,
 ) -> None:
     engine = _engine(tokenizer)
     engine.add_request("busy", [4, 4, 4, 4, 4], GREEDY)
     engine.step()
     before = _state(engine)
-    with pytest.raises(exc, match=f"add_request: .*{match}"):
+    with pytest.raises(exc, match=f"add_request: .*{match}") as refused:
         engine.add_request("bad", prompt, params or GREEDY)
+    _check_structured(refused.value, exc, field, "add_request")
     assert _state(engine) == before
     finals = [o for _ in range(20) for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == ["busy"]

@@ -1,20 +1,48 @@
 """Prompts in, token ids out: every request is parsed and checked in full here, before the
-engine changes any state, so a refused request leaves everything as it was."""
+engine changes any state, so a refused request leaves everything as it was.
+
+``check_request`` is the one boundary that knows the model: the prompt and every token id a
+request names (``logit_bias``, ``allowed_token_ids``, ``stop_token_ids``, the tokenized
+``bad_words``) must lie in its vocabulary, and the request must fit ``max_model_len``, the
+KV pool and the engine's bounds, so nothing that could fail inside a step for one request
+(and, in a batched step, for the others) is queued. Every refusal is an
+``InvalidRequestError`` naming the field as the user spelled it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral
 from typing import Any, Protocol
 
 from paged_engine.config import EngineConfig
 from paged_engine.engine.indexing import num_blocks
+from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
 from paged_engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 """The most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default)."""
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+"""Stop strings per request, and characters per stop string. Each step searches the new
+text for every stop string, and a stream holds back the longest one's length less one
+character (it may still be completed), so both bound a request's per-token cost and its
+streaming delay. OpenAI takes 4 stop strings; 64 of up to 1,024 characters leave room for
+any list a client builds by hand."""
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+"""``bad_words`` per request, and characters per word. Every word is tokenized at
+admission, twice, on the engine's thread, and each step compares the generated tokens'
+tail with each tokenized word in Python: both costs grow with the count and the length,
+and a phrase of 256 characters is already far longer than a word."""
+MAX_LOGIT_BIAS = 1024
+"""Entries of ``logit_bias`` per request. Every step turns each entry into tensor elements
+on the host, for every step of the request, so a whole-vocabulary bias would cost every
+request in the batch that much per token. To restrict sampling to a large set of tokens,
+``allowed_token_ids`` takes any number (up to the vocabulary)."""
 
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
@@ -49,59 +77,79 @@ def parse_prompt(
     (either with an optional ``"cache_salt"``), as checked token ids."""
     text: str | None = None
     salt: object = None
+    field = "prompt"
     if isinstance(prompt, Mapping):
         unknown = sorted(set(map(str, prompt)) - _PROMPT_KEYS)
         if unknown:
-            raise TypeError(
-                f"{where}: unknown prompt key(s) {unknown}; known: {sorted(_PROMPT_KEYS)}"
+            raise InvalidRequestTypeError(
+                "prompt",
+                f"unknown prompt key(s) {unknown}; known: {sorted(_PROMPT_KEYS)}",
+                where,
             )
         salt = prompt.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
-            raise TypeError(f"{where}: cache_salt must be a string, got {salt!r}")
+            raise InvalidRequestTypeError(
+                "cache_salt", f"cache_salt must be a string, got {salt!r}", where
+            )
         if salt == "":  # as Sequence refuses it (see there)
-            raise ValueError(f"{where}: cache_salt must be a non-empty string")
+            raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string", where)
         if "prompt_token_ids" in prompt:
             raw: object = prompt["prompt_token_ids"]
+            field = "prompt_token_ids"
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
-                raise TypeError(f"{where}: prompt must be a string, got {text!r}")
+                raise InvalidRequestTypeError(
+                    "prompt", f"prompt must be a string, got {text!r}", where
+                )
             if not isinstance(raw, list | tuple):
-                raise TypeError(f"{where}: prompt_token_ids must be a list of ints, got {raw!r}")
+                raise InvalidRequestTypeError(
+                    field, f"prompt_token_ids must be a list of ints, got {raw!r}", where
+                )
         elif "prompt" in prompt:
             raw = text = prompt["prompt"]
             if not isinstance(text, str):
-                raise TypeError(f"{where}: prompt must be a string, got {text!r}")
+                raise InvalidRequestTypeError(
+                    "prompt", f"prompt must be a string, got {text!r}", where
+                )
         else:
-            raise TypeError(f"{where}: a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise InvalidRequestTypeError(
+                "prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'", where
+            )
     else:
         raw = prompt
     if isinstance(raw, str):
         if tokenizer is None:
-            raise TypeError(f"{where}: a text prompt needs a tokenizer; pass token ids")
+            raise InvalidRequestTypeError(
+                "prompt", "a text prompt needs a tokenizer; pass token ids", where
+            )
         text = raw
         tokens = list(tokenizer.encode(raw))
     elif isinstance(raw, list | tuple):
         tokens = list(raw)
     else:
-        raise TypeError(
-            f"{where}: a prompt is a string, a list of token ids or a prompt dict, "
-            f"got {type(raw).__name__}"
+        raise InvalidRequestTypeError(
+            "prompt",
+            f"a prompt is a string, a list of token ids or a prompt dict, got {type(raw).__name__}",
+            where,
         )
-    return ParsedPrompt(_check_tokens(tokens, vocab_size, where), text, salt)  # type: ignore[arg-type]
+    checked = _check_tokens(tokens, vocab_size, field, where)
+    return ParsedPrompt(checked, text, salt)  # type: ignore[arg-type]
 
 
-def _check_tokens(tokens: list[Any], vocab_size: int, where: str) -> list[int]:
+def _check_tokens(tokens: list[Any], vocab_size: int, field: str, where: str) -> list[int]:
     if not tokens:
-        raise ValueError(f"{where}: the prompt is empty")
+        raise InvalidRequestError(field, "the prompt is empty", where)
     # The common case, checked at C speed; otherwise find and name the offending token.
     if set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < vocab_size:
         return tokens
     ids: list[int] = []
     for i, t in enumerate(tokens):
         if not isinstance(t, Integral) or isinstance(t, bool):
-            raise TypeError(f"{where}: token {i} is {t!r}, not an int")
+            raise InvalidRequestTypeError(field, f"token {i} is {t!r}, not an int", where)
         if not 0 <= int(t) < vocab_size:
-            raise ValueError(f"{where}: token {i} is {t}, outside the vocabulary [0, {vocab_size})")
+            raise InvalidRequestError(
+                field, f"token {i} is {t}, outside the vocabulary [0, {vocab_size})", where
+            )
         ids.append(int(t))
     return ids
 
@@ -113,7 +161,11 @@ def parse_params(params: object, where: str) -> SamplingParams:
         return params
     if isinstance(params, dict):
         return SamplingParams.from_dict(params)
-    raise TypeError(f"{where}: sampling params must be SamplingParams or a dict, got {params!r}")
+    raise InvalidRequestTypeError(
+        "sampling_params",
+        f"sampling params must be SamplingParams or a dict, got {params!r}",
+        where,
+    )
 
 
 def check_request(
@@ -125,34 +177,143 @@ def check_request(
     *,
     has_tokenizer: bool,
     vocab_size: int | None = None,
-) -> None:
-    """What a request needs of the engine: room in ``max_model_len`` and the pool for one
-    completion at full length (completions share the pool in turn, by preemption)."""
+    tokenizer: Tokenizer | None = None,
+) -> SamplingParams:
+    """Refuse a request the engine cannot run in full, and return the params to queue it
+    with: ``params`` itself, or a copy whose ``bad_words_token_ids`` are its
+    ``bad_words`` tokenized by ``tokenizer`` (which those need).
+
+    What it needs of the engine: room in ``max_model_len`` and the pool for one completion
+    at full length (completions share the pool in turn, by preemption), ``n`` within
+    ``config.max_n``, and the bounds above. ``vocab_size`` (the model's; None skips those
+    checks) bounds every token id the request names.
+    """
+
+    def refuse(field: str, reason: str) -> InvalidRequestError:
+        return InvalidRequestError(field, reason, where)
+
+    if params.n > config.max_n:
+        raise refuse("n", f"n={params.n} is more than the {config.max_n} allowed (max_n)")
     n = len(tokens)
     limit = config.max_model_len
     if n >= limit:
-        raise ValueError(
-            f"{where}: the prompt ({n} tokens) leaves no room for a token within "
-            f"max_model_len ({limit})"
+        raise refuse(
+            "prompt",
+            f"the prompt ({n} tokens) leaves no room for a token within max_model_len ({limit})",
         )
     if params.max_tokens is not None and n + params.max_tokens > limit:
-        raise ValueError(
-            f"{where}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
-            f"exceeds max_model_len ({limit})"
+        raise refuse(
+            "max_tokens",
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
+            f"exceeds max_model_len ({limit})",
         )
     total = limit if params.max_tokens is None else n + params.max_tokens
     # The last sampled token is never computed, so it needs no slot.
     need = num_blocks(total - 1, config.kvcache_block_size)
     if need > pool_blocks:
-        raise ValueError(
-            f"{where}: the request needs {need} KV blocks at full length but the pool "
-            f"has {pool_blocks}"
+        raise refuse(
+            "max_tokens",
+            f"the request needs {need} KV blocks at full length but the pool has {pool_blocks}",
         )
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
         if k is not None and k > MAX_LOGPROBS:
-            raise ValueError(f"{where}: {name}={k} is more than the {MAX_LOGPROBS} allowed")
+            raise refuse(name, f"{name}={k} is more than the {MAX_LOGPROBS} allowed")
+    _check_strings(params.stop, "stop", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, refuse)
     if params.stop and not has_tokenizer:
-        raise ValueError(f"{where}: stop strings need a tokenizer (use stop_token_ids)")
+        raise refuse("stop", "stop strings need a tokenizer (use stop_token_ids)")
     if params.stop and not params.detokenize:
-        raise ValueError(f"{where}: stop strings need detokenize=True")
+        raise refuse("stop", "stop strings need detokenize=True")
+    bias = params.logit_bias or ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise refuse(
+            "logit_bias",
+            f"logit_bias has {len(bias)} entries, more than the {MAX_LOGIT_BIAS} allowed "
+            "(allowed_token_ids takes any number)",
+        )
+    if vocab_size is not None:
+        _in_vocab("logit_bias", [t for t, _ in bias], vocab_size, refuse)
+        _in_vocab("allowed_token_ids", params.allowed_token_ids or (), vocab_size, refuse)
+        _in_vocab("stop_token_ids", params.stop_token_ids, vocab_size, refuse)
+    return _with_bad_words(params, tokenizer, vocab_size, refuse)
+
+
+def _check_strings(
+    values: tuple[str, ...],
+    field: str,
+    most: int,
+    chars: int,
+    refuse: Callable[[str, str], InvalidRequestError],
+) -> None:
+    if len(values) > most:
+        raise refuse(field, f"{field} has {len(values)} strings, more than the {most} allowed")
+    for s in values:
+        if len(s) > chars:
+            raise refuse(
+                field,
+                f"{field} holds a string of {len(s)} characters, more than the {chars} "
+                f"allowed: {s[:40]!r}...",
+            )
+
+
+def _in_vocab(
+    field: str,
+    ids: SequenceABC[int],
+    vocab_size: int,
+    refuse: Callable[[str, str], InvalidRequestError],
+) -> None:
+    """Every id of ``ids`` (checked >= 0 by ``SamplingParams``) below ``vocab_size``."""
+    if ids and max(ids) >= vocab_size:
+        bad = next(t for t in ids if t >= vocab_size)
+        raise refuse(field, f"{field} names token {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def _with_bad_words(
+    params: SamplingParams,
+    tokenizer: Tokenizer | None,
+    vocab_size: int | None,
+    refuse: Callable[[str, str], InvalidRequestError],
+) -> SamplingParams:
+    """``params`` with ``bad_words_token_ids`` made from its ``bad_words`` (None without
+    any): recomputed at every admission, so a request re-added (or built with ids of its
+    own) is banned exactly what its words are under this model's tokenizer."""
+    if not params.bad_words:
+        if params.bad_words_token_ids is None:
+            return params
+        return replace(params, bad_words_token_ids=None)
+    _check_strings(params.bad_words, "bad_words", MAX_BAD_WORDS, MAX_BAD_WORD_CHARS, refuse)
+    if tokenizer is None:
+        raise refuse("bad_words", "bad_words need a tokenizer: they are banned as tokens")
+    words = tokenize_bad_words(params.bad_words, tokenizer)
+    if vocab_size is not None:
+        _in_vocab("bad_words", [t for w in words for t in w], vocab_size, refuse)
+    return replace(params, bad_words_token_ids=words)
+
+
+def tokenize_bad_words(
+    words: SequenceABC[str], tokenizer: Tokenizer
+) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of ``bad_words``: each word, its leading spaces stripped, as it
+    is (at the start of a text) and after one space (inside a text, for tokenizers whose
+    tokens carry the space before a word), without special tokens; duplicates dropped."""
+    encode = _plain_encoder(tokenizer)
+    found: dict[tuple[int, ...], None] = {}
+    for word in words:
+        base = word.lstrip()
+        for text in (base, " " + base):
+            ids = tuple(int(t) for t in encode(text))
+            if ids:
+                found[ids] = None
+    return tuple(found)
+
+
+def _plain_encoder(tokenizer: Tokenizer) -> Callable[[str], Any]:
+    """``tokenizer.encode`` without special tokens where it takes ``add_special_tokens``
+    (transformers' tokenizers may add a BOS, which is no part of a word)."""
+    try:
+        takes_flag = "add_special_tokens" in inspect.signature(tokenizer.encode).parameters
+    except (TypeError, ValueError):  # no signature to read (a C callable)
+        takes_flag = False
+    if takes_flag:
+        return lambda text: tokenizer.encode(text, add_special_tokens=False)  # type: ignore[call-arg]
+    return tokenizer.encode

@@ -17,6 +17,7 @@ from paged_engine.config import (
     PREFIX_CACHE_HASHES,
     default_num_threads,
 )
+from paged_engine.errors import InvalidRequestError
 
 ENGINE_FLAGS: dict[str, str] = {
     "kvcache_block_size": "--block-size",
@@ -45,12 +46,18 @@ FLAGS = ENGINE_FLAGS | {f: "--" + f.replace("_", "-") for f in SAMPLING_FIELDS}
 _FIELD = re.compile(r"\b(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")\b")
 
 
-def flag_message(message: str) -> str:
-    """``message`` with field names replaced by their flags: every one with an underscore,
-    a one-word name (``device``, ``seed``) only where the message starts with it."""
+def flag_message(error: BaseException | str) -> str:
+    """The error's message with field names replaced by their flags: every one with an
+    underscore, and a one-word name (``device``, ``seed``, which prose may use too) only
+    where it is the error's own field (``InvalidRequestError.field``) or, for an error that
+    names none (a bare message), where the message starts with it."""
+    message = str(error)
+    field = error.field if isinstance(error, InvalidRequestError) else None
 
     def swap(m: re.Match[str]) -> str:
-        return FLAGS[m[1]] if "_" in m[1] or m.start() == 0 else m[0]
+        name = m[1]
+        own = name == field if field is not None else m.start() == 0
+        return FLAGS[name] if "_" in name or own else m[0]
 
     return _FIELD.sub(swap, message)
 

@@ -5,7 +5,8 @@ a float for ``n`` or a misspelt field is a 400 naming the field, never silently 
 ignored. Beside OpenAI's fields, the requests take vLLM's sampling extensions under vLLM's
 names (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``return_token_ids``). Responses keep OpenAI's field names and its nulls.
+``allowed_token_ids``, ``bad_words``, ``return_token_ids``). Responses keep OpenAI's
+field names and its nulls.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    """vLLM's extension: only these tokens may be sampled."""
+    bad_words: list[str] | None = None
+    """vLLM's extension: words never generated (see ``SamplingParams``)."""
     return_token_ids: bool = False
     """vLLM's extension: each choice carries its ``token_ids`` (and ``prompt_token_ids``)."""
 

@@ -26,6 +26,7 @@ from paged_engine.entrypoints.protocol import (
     TopLogprob,
     Usage,
 )
+from paged_engine.errors import InvalidRequestError
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 
 LOGIT_BIAS_LIMIT = 100.0
@@ -54,32 +55,49 @@ class RequestError(Exception):
         )
 
 
+_WIRE_NAMES = {"prompt_token_ids": "prompt", "cache_salt": "prompt"}
+"""Engine fields that a server request spells otherwise: its prompt arrives as ``prompt``
+(or, for chat, ``messages``: each route's ``rename`` maps ``prompt`` on)."""
+
 _PARAM_ORDER = (
     "max_tokens", "min_tokens", "prompt_logprobs", "logprobs", "temperature", "top_p",
     "top_k", "min_p", "stop_token_ids", "stop", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "seed", "n", "prompt",
+    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "seed", "n",
+    "prompt",
 )  # fmt: skip
-"""Where an engine message names several fields, the one to blame comes first here
-("prompt (9 tokens) + max_tokens (200) exceeds max_model_len" is ``max_tokens``'s)."""
+"""For an error that carries no field (a bare message): where it names several fields, the
+one to blame comes first here."""
 
 
-def param_of(message: str, rename: Mapping[str, str] | None = None) -> str:
-    """The request field an engine or ``SamplingParams`` error is about (``prompt`` when
-    it names none), renamed through ``rename`` (chat's ``messages``, ``top_logprobs``)."""
+def param_of(error: BaseException | str, rename: Mapping[str, str] | None = None) -> str:
+    """The request field an engine or ``SamplingParams`` error is about, renamed through
+    ``rename`` (chat's ``messages``, ``top_logprobs``).
+
+    An ``InvalidRequestError`` (what the engine and ``SamplingParams`` raise) names it in
+    ``field``. Anything else, or a bare message (a caller that passes ``str(error)``), is
+    read for the first field name it leads with or holds, ``prompt`` when it names none."""
+    if isinstance(error, InvalidRequestError):
+        found = _WIRE_NAMES.get(error.field, error.field)
+    else:
+        found = _field_in_message(str(error))
+    return (rename or {}).get(found, found)
+
+
+def _field_in_message(message: str) -> str:
     body = re.sub(r"^[\w ]+: ", "", message, count=1)  # "add_request: ..." / "prompt 0: ..."
     lead = re.match(r"(\w+)(?: must| cannot|=)", body)  # "n must be 1 ...", "logprobs=21 ..."
     if lead and lead[1] in _PARAM_ORDER:
-        found = lead[1]
-    else:
-        found = next((f for f in _PARAM_ORDER if re.search(rf"\b{f}\b", body)), "prompt")
-    return (rename or {}).get(found, found)
+        return lead[1]
+    return next((f for f in _PARAM_ORDER if re.search(rf"\b{f}\b", body)), "prompt")
 
 
 def sampling_params(
     req: SamplingFields, *, max_tokens: int | None, logprobs: int | None, rename: Mapping[str, str]
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``req``; a bad value is a ``RequestError``
-    naming the field (``SamplingParams`` validates, and its messages start with it)."""
+    naming the field (``SamplingParams`` validates, and its errors carry the field). What
+    needs the model (token ids in its vocabulary, ``bad_words`` through its tokenizer)
+    is checked when the engine admits the request."""
     bias = None
     if req.logit_bias is not None:
         bias = {}
@@ -110,9 +128,11 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+            allowed_token_ids=cast(Any, req.allowed_token_ids),  # normalised to a tuple
+            bad_words=cast(Any, req.bad_words),
         )
-    except (ValueError, TypeError) as e:
-        raise RequestError(str(e), param=param_of(str(e), rename)) from None
+    except (ValueError, TypeError) as e:  # InvalidRequestError(Type)Error: param_of reads .field
+        raise RequestError(str(e), param=param_of(e, rename)) from None
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

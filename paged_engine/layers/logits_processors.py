@@ -1,5 +1,6 @@
-"""The logit processors that can change even a greedy choice, in vLLM's order: min_tokens,
-logit_bias, then the repetition, frequency and presence penalties.
+"""The logit processors that can change even a greedy choice, in vLLM's order:
+allowed_token_ids, bad_words, min_tokens, logit_bias, then the repetition, frequency and
+presence penalties.
 
 Only rows that use one of them come here (``processes``); the rest of a batch pays nothing.
 Each row's result depends only on its own logits, params and history.
@@ -7,6 +8,7 @@ Each row's result depends only on its own logits, params and history.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
@@ -37,9 +39,11 @@ def _masks_stops(params: SamplingParams, history: TokenHistory) -> bool:
 def processes(params: SamplingParams, history: TokenHistory | None) -> bool:
     """Whether this row needs any processor now (min_tokens only until it is reached).
 
-    Without a history, only ``logit_bias`` can apply; ``apply_logits_processors``
-    refuses a row that needs one."""
-    if params.logit_bias is not None:
+    Without a history, only ``logit_bias``, ``allowed_token_ids`` and one-token bad words
+    can apply; ``apply_logits_processors`` refuses a row that needs one."""
+    if params.logit_bias is not None or params.allowed_token_ids is not None:
+        return True
+    if params.bad_words or params.bad_words_token_ids:
         return True
     if params.has_penalties:
         return True
@@ -74,9 +78,14 @@ def apply_logits_processors(
     histories: Sequence[TokenHistory | None],
     eos_token_ids: Collection[int] = (),
 ) -> torch.Tensor:
-    """Apply min_tokens, logit_bias and the penalties to ``logits`` ``[R, V]`` (float32,
-    modified in place and returned), row ``r`` with ``params[r]`` and ``histories[r]``.
+    """Apply allowed_token_ids, bad_words, min_tokens, logit_bias and the penalties to
+    ``logits`` ``[R, V]`` (float32, modified in place and returned), row ``r`` with
+    ``params[r]`` and ``histories[r]``.
 
+    * **allowed_token_ids**: every other token gets -inf (vLLM's whitelist).
+    * **bad_words**: the last token of each ``bad_words_token_ids`` word gets -inf when
+      the row's output tokens end with the word's other tokens (always, for a one-token
+      word; vLLM's rule).
     * **min_tokens**: while a row has generated fewer than ``min_tokens`` tokens, every
       id in ``eos_token_ids`` and its ``stop_token_ids`` gets -inf (vLLM masks all of
       them, whatever ``ignore_eos`` says; ids beyond the vocabulary cannot be sampled
@@ -89,21 +98,18 @@ def apply_logits_processors(
     * **frequency_penalty** × count and **presence_penalty** × (count > 0), subtracted,
       over the output tokens only (OpenAI's definition, vLLM's).
 
-    ValueError (naming the row) for a ``logit_bias`` id beyond the vocabulary, or a row
-    that needs a history it was not given; ``logits`` is untouched then.
+    ValueError (naming the row) for a token id beyond the vocabulary, ``bad_words`` that
+    were never tokenized, or a row that needs a history it was not given; ``logits`` is
+    untouched then. (``engine/inputs.check_request`` refuses all of these at admission.)
     """
     n, vocab = logits.shape
     device = logits.device
     if len(params) != n or len(histories) != n:
         raise ValueError(f"{n} logit rows but {len(params)} params and {len(histories)} histories")
     for r, (p, h) in enumerate(zip(params, histories, strict=True)):
-        if h is None and (p.has_penalties or p.min_tokens > 0):
-            raise ValueError(f"row {r} uses penalties or min_tokens but has no token history")
-        if p.logit_bias is not None and p.logit_bias[-1][0] >= vocab:
-            raise ValueError(
-                f"row {r}: logit_bias names token {p.logit_bias[-1][0]}, beyond the "
-                f"vocabulary of {vocab} tokens"
-            )
+        _check_row(r, p, h, vocab)
+    _apply_allowed(logits, params)
+    _apply_bad_words(logits, params, histories)
     # min_tokens: (row, id) pairs set to -inf
     masked = [
         (r, t)
@@ -124,6 +130,63 @@ def apply_logits_processors(
     # a huge bias (or a repetition penalty < 1 on it) may overflow: +inf would leave no
     # distribution, the largest float forces the token all the same
     return logits.clamp_(max=torch.finfo(torch.float32).max)
+
+
+def _check_row(r: int, p: SamplingParams, h: TokenHistory | None, vocab: int) -> None:
+    words = p.bad_words_token_ids or ()
+    if h is None and (p.has_penalties or p.min_tokens > 0 or any(len(w) > 1 for w in words)):
+        raise ValueError(
+            f"row {r} uses penalties, min_tokens or bad_words but has no token history"
+        )
+    if p.bad_words and p.bad_words_token_ids is None:
+        raise ValueError(f"row {r}: its bad_words were never tokenized (see check_request)")
+    named = [
+        ("logit_bias", p.logit_bias[-1][0] if p.logit_bias else None),
+        ("allowed_token_ids", max(p.allowed_token_ids) if p.allowed_token_ids else None),
+        ("bad_words", max(t for w in words for t in w) if words else None),
+    ]
+    for field, top in named:
+        if top is not None and top >= vocab:
+            raise ValueError(
+                f"row {r}: {field} names token {top}, beyond the vocabulary of {vocab} tokens"
+            )
+
+
+def _ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    # through an array: several times faster than torch.tensor on a long tuple of ints
+    return torch.frombuffer(array.array("q", ids), dtype=torch.int64).to(device)
+
+
+def _apply_allowed(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    rows = [(r, p.allowed_token_ids) for r, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return
+    banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    for j, (_, ids) in enumerate(rows):
+        banned[j, _ids(ids, logits.device)] = False
+    at = torch.tensor([r for r, _ in rows], device=logits.device)
+    logits[at] = logits[at].masked_fill(banned, float("-inf"))
+
+
+def _apply_bad_words(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+) -> None:
+    banned: list[tuple[int, int]] = []
+    for r, (p, h) in enumerate(zip(params, histories, strict=True)):
+        if not p.bad_words_token_ids:
+            continue
+        tokens = h.token_ids if h is not None else ()
+        generated = len(tokens) - h.num_prompt_tokens if h is not None else 0
+        for word in p.bad_words_token_ids:
+            k = len(word) - 1  # the tokens that must end the output
+            if k == 0 or (generated >= k and tuple(tokens[len(tokens) - k :]) == word[:-1]):
+                banned.append((r, word[-1]))
+    if banned:
+        rows, ids = zip(*banned, strict=True)
+        dev = logits.device
+        logits[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] = float("-inf")
 
 
 def _apply_penalties(

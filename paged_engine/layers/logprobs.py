@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from paged_engine.engine.outputs import TokenLogprobs
+from paged_engine.engine.outputs import FailedSample, TokenLogprobs
 
 
 def token_logprobs(
@@ -43,14 +43,17 @@ def token_logprobs(
 
 
 def sampled_logprobs(
-    logits: torch.Tensor, num_top: Sequence[int | None], tokens: Sequence[int | None]
+    logits: torch.Tensor,
+    num_top: Sequence[int | None],
+    tokens: Sequence[int | FailedSample | None],
 ) -> dict[int, TokenLogprobs]:
     """Row -> logprobs of its sampled token, for each row of ``logits`` that asks for them
-    (``num_top[r]`` is not None) and sampled a token (``tokens[r]`` is not None)."""
+    (``num_top[r]`` is not None) and sampled a token (``tokens[r]`` is an id, not None
+    or a ``FailedSample``)."""
     asked = [
         (r, t, k)
         for r, (t, k) in enumerate(zip(tokens, num_top, strict=True))
-        if t is not None and k is not None
+        if isinstance(t, int) and k is not None
     ]
     if not asked:
         return {}

@@ -4,10 +4,11 @@ draw with per-request seeds."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from paged_engine.engine.outputs import FailedSample
 from paged_engine.layers.logits_processors import (
     TokenHistory,
     apply_logits_processors,
@@ -104,14 +105,20 @@ class Sampler:
     reads the model's own logits, before min_tokens or a bias bring in their -inf; a row
     whose processing leaves no token at all (every one -inf) gets None too.
 
-    Rows that use min_tokens, logit_bias or a penalty are processed first (a copy of just
-    those rows; see ``logits_processors.py``); greedy params (``temperature <
-    GREEDY_BELOW``, never divided by) are then the argmax (first index on ties), and the
-    rest are drawn after temperature, min_p, top-k and top-p (vLLM's order). Every row's
-    probabilities depend only on its own logits, params and history, and a row with a
-    ``torch.Generator`` draws its noise alone from it in vocabulary order, so a seeded
-    request samples the same tokens whatever else shares the batch. Unseeded rows draw
-    together.
+    Rows that use a logits processor are processed first (a copy of just those rows; see
+    ``logits_processors.py``); greedy params (``temperature < GREEDY_BELOW``, never
+    divided by) are then the argmax (first index on ties), and the rest are drawn after
+    temperature, min_p, top-k and top-p (vLLM's order). Every row's probabilities depend
+    only on its own logits, params and history, and a row with a ``torch.Generator``
+    draws its noise alone from it in vocabulary order, so a seeded request samples the
+    same tokens whatever else shares the batch. Unseeded rows draw together.
+
+    One request's failure is its own: if processing or the probabilities raise (an
+    ``Exception``) for the batch, each row is redone alone, and a row that raises alone
+    gets a ``FailedSample`` naming the error while the others get exactly the tokens they
+    get without it (no draw happens before either phase ends, and each seeded row's draw
+    is guarded alone). The rest of the batch never pays for it: the batched path runs
+    first, and only a failure costs the row-by-row retry.
     """
 
     def __call__(
@@ -121,12 +128,13 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         histories: Sequence[TokenHistory | None] | None = None,
         eos_token_ids: Collection[int] = (),
-    ) -> list[int | None]:
-        """``logits`` ``[B, V]`` → ``B`` token ids, None for a row that is not all finite.
+    ) -> list[int | FailedSample | None]:
+        """``logits`` ``[B, V]`` → ``B`` token ids, None for a row that is not all finite,
+        ``FailedSample`` for a row whose sampling raised.
 
         ``histories[i]`` is row ``i``'s sequence so far (its prompt and output tokens),
-        needed by rows with penalties or min_tokens; ``eos_token_ids`` are the ids
-        min_tokens masks beside each row's ``stop_token_ids``.
+        needed by rows with penalties, min_tokens or bad words; ``eos_token_ids`` are the
+        ids min_tokens masks beside each row's ``stop_token_ids``.
 
         One device-to-host transfer per call; an all-greedy batch without processors
         costs an argmax and the finiteness check.
@@ -139,34 +147,51 @@ class Sampler:
                 f"and {len(hist)} histories"
             )
         logits = logits.float()
+        dev = logits.device
         ok = torch.isfinite(logits).all(dim=-1)
         tokens = logits.argmax(dim=-1)
+        failed: dict[int, FailedSample] = {}
         active = [i for i in range(batch) if processes(params[i], hist[i])]
-        processed = None
-        if active:
-            at = torch.tensor(active, device=logits.device)
-            processed = apply_logits_processors(
-                logits[at], [params[i] for i in active], [hist[i] for i in active], eos_token_ids
-            )
+        active, processed = _isolated(
+            lambda rows: apply_logits_processors(
+                logits[_index(rows, dev)],
+                [params[i] for i in rows],
+                [hist[i] for i in rows],
+                eos_token_ids,
+            ),
+            active,
+            failed,
+        )
+        if processed is not None:
+            at = _index(active, dev)
             tokens[at] = processed.argmax(dim=-1)
             ok[at] = ok[at] & (processed.amax(dim=-1) > float("-inf"))
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy and i not in failed]
         if sampled:
-            rows = logits[torch.tensor(sampled, device=logits.device)]
+            rows = logits[_index(sampled, dev)]
             if processed is not None:
                 where = {i: j for j, i in enumerate(active)}
                 both = [(k, where[i]) for k, i in enumerate(sampled) if i in where]
                 if both:
                     into, src = zip(*both, strict=True)
-                    dev = logits.device
-                    rows[torch.tensor(into, device=dev)] = processed[torch.tensor(src, device=dev)]
-            picked = self._sample(
-                rows, [params[i] for i in sampled], [generators[i] for i in sampled]
+                    rows[_index(into, dev)] = processed[_index(src, dev)]
+            position = {i: k for k, i in enumerate(sampled)}
+
+            def rows_of(rs: list[int]) -> torch.Tensor:  # no copy for the whole batch
+                return rows if rs is sampled else rows[_index([position[i] for i in rs], dev)]
+
+            drawn, probs = _isolated(
+                lambda rs: probabilities(rows_of(rs), [params[i] for i in rs]), sampled, failed
             )
-            tokens[torch.tensor(sampled, device=logits.device)] = picked
+            if probs is not None:
+                picked = _draws(probs, [generators[i] for i in drawn], drawn, failed)
+                tokens[_index(drawn, dev)] = picked
         # one transfer: failed rows come back as -1, which no token id is
         tokens.masked_fill_(~ok, -1)
-        return [t if t >= 0 else None for t in tokens.tolist()]
+        out: list[int | FailedSample | None] = [t if t >= 0 else None for t in tokens.tolist()]
+        for i, failure in failed.items():
+            out[i] = failure
+        return out
 
     @staticmethod
     def _sample(
@@ -176,13 +201,75 @@ class Sampler:
     ) -> torch.Tensor:
         """One draw per row (a NaN row draws garbage, never fails)."""
         probs = probabilities(logits, params)
-        device = logits.device
-        picked = torch.empty(len(params), dtype=torch.long, device=device)
-        unseeded = [j for j, g in enumerate(generators) if g is None]
-        if unseeded:
-            sel = torch.tensor(unseeded, device=device)
+        return _draws(probs, generators, list(range(len(params))), {})
+
+
+def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _failure(exc: Exception) -> FailedSample:
+    return FailedSample(f"sampling this request failed: {type(exc).__name__}: {exc}")
+
+
+def _isolated(
+    run: Callable[[list[int]], torch.Tensor],
+    rows: list[int],
+    failed: dict[int, FailedSample],
+) -> tuple[list[int], torch.Tensor | None]:
+    """``run(rows)`` (one result row per row), or, if it raises, each row alone: the rows
+    that did not raise and their results; each one that did lands in ``failed``."""
+    if not rows:
+        return rows, None
+    try:
+        return rows, run(rows)
+    except Exception:
+        pass
+    kept, parts = [], []
+    for r in rows:
+        try:
+            parts.append(run([r]))
+        except Exception as exc:
+            failed[r] = _failure(exc)
+        else:
+            kept.append(r)
+    return kept, torch.cat(parts) if parts else None
+
+
+def _draws(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    rows: Sequence[int],
+    failed: dict[int, FailedSample],
+) -> torch.Tensor:
+    """One draw per row of ``probs``: rows without a generator together, the others one by
+    one from their own. A row whose draw raises lands in ``failed`` (as ``rows[j]``) and
+    keeps index 0, which the caller overrides."""
+    device = probs.device
+    picked = torch.zeros(len(generators), dtype=torch.long, device=device)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        sel = _index(unseeded, device)
+        try:
             picked[sel] = _draw(probs[sel], None)
-        for j, g in enumerate(generators):
-            if g is not None:
-                picked[j] = _draw(probs[j : j + 1], g)[0]
-        return picked
+        except Exception:
+            for j in unseeded:
+                _draw_one(probs, j, None, picked, rows, failed)
+    for j, g in enumerate(generators):
+        if g is not None:
+            _draw_one(probs, j, g, picked, rows, failed)
+    return picked
+
+
+def _draw_one(
+    probs: torch.Tensor,
+    j: int,
+    generator: torch.Generator | None,
+    picked: torch.Tensor,
+    rows: Sequence[int],
+    failed: dict[int, FailedSample],
+) -> None:
+    try:
+        picked[j] = _draw(probs[j : j + 1], generator)[0]
+    except Exception as exc:
+        failed[rows[j]] = _failure(exc)

@@ -92,7 +92,7 @@ def test_min_tokens_ignores_stop_ids_beyond_the_vocabulary() -> None:
         (
             [SamplingParams(), SamplingParams(min_tokens=1)],
             [None, None],
-            "row 1 uses penalties or min_tokens but has no token history",
+            "row 1 uses penalties, min_tokens or bad_words but has no token history",
         ),
         (
             [SamplingParams(logit_bias={5: 1.5})] * 2,
