@@ -241,7 +241,6 @@ BAD = [
     (b'{"model": "tiny", "prompt": "hi", "stop": 3}', "stop", None),
     (b'{"model": "tiny", "prompt": "hi", "max_token": 3}', "max_token", None),
     (b'{"prompt": "hi"}', "model", None),
-    (b'{"model": "gpt-4", "prompt": "hi"}', "model", "model_not_found"),
     (b'{"model": "tiny", "prompt": "hi", "max_tokens": 100000}', "max_tokens", None),
     (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', "max_tokens", None),
     (b'{"model": "tiny", "prompt": ""}', "prompt", None),
@@ -296,22 +295,37 @@ def test_bad_requests_are_400s_naming_the_field_and_queue_nothing(
 
 
 def check_bad_request(
-    live: Live, route: str, body: bytes, param: str | None, code: str | None
+    live: Live,
+    route: str,
+    body: bytes,
+    param: str | None,
+    code: str | None,
+    status: int = 400,
+    type_: str = "invalid_request_error",
 ) -> None:
-    """A 400 in OpenAI's error shape naming ``param``; nothing reached the engine."""
+    """A ``status`` (400) in OpenAI's error shape naming ``param``; nothing reached the
+    engine."""
     before = live.metrics()["requests_added_total"]
     r = httpx.post(
         f"{live.url}/v1/{route}", content=body, headers={"content-type": "application/json"}
     )
-    assert r.status_code == 400, r.text
+    assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert error["type"] == type_ and error["param"] == param, error
     if code is not None:
         assert error["code"] == code
     after = live.metrics()
     assert after["requests_added_total"] == before
     assert after["num_requests_running"] == after["num_requests_waiting"] == 0
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_an_unknown_model_is_a_404_naming_the_field(live: Live, route: str) -> None:
+    # OpenAI's and vLLM's answer: the model is not found (not a malformed request)
+    key = b'"prompt": "hi"' if route == "completions" else b'"messages": [{"role": "user"}]'
+    body = b'{"model": "gpt-4", ' + key + b"}"
+    check_bad_request(live, route, body, "model", "model_not_found", 404, "not_found_error")
 
 
 def test_the_openai_client_sees_a_bad_request_error(client: openai.OpenAI) -> None:

@@ -159,12 +159,17 @@ def test_a_failed_step_is_retried_without_changing_any_output(live: Live, offlin
 
 
 def check_retried_fault(live: Live, offline: LLM) -> None:
-    work = workload(6)
+    """Two failed steps in a row, once every stream has sent tokens (so none can be run
+    again unseen): retried, every output as without the fault."""
+    work = [(p, 40 + (i * 7) % 16) for i, (p, _) in enumerate(workload(6))]
     want = offline_tokens(offline, work)
     failed_before = live.metrics()["engine_failed_steps_total"]
+    live.runner.decode_batch = len(work)  # all of them decoding: each has streamed a token
     live.runner.fail_next = 2  # fewer than max_step_failures in a row
-    got = stream_all(live, work)
-    live.runner.fail_next = 0
+    try:
+        got = stream_all(live, work)
+    finally:
+        live.runner.fail_next, live.runner.decode_batch = 0, None
     assert got == want
     m = live.wait_metrics(idle)
     assert live.runner.failed >= 2 and m["engine_failed_steps_total"] - failed_before == 2

@@ -45,7 +45,7 @@ def test_a_loop_that_never_aborts_is_caught(clean: Live, monkeypatch: pytest.Mon
 def test_giving_up_on_the_first_failed_step_is_caught(
     clean: Live, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(clean.server.loop, "max_step_failures", 1)
+    monkeypatch.setattr(clean.server.loop._quarantine, "threshold", 1)
     with pytest.raises(AssertionError, match="error: the engine failed 1 steps"):
         check_retried_fault(clean, LLM(tiny_model_dir, **ENGINE))
 
@@ -68,7 +68,7 @@ def test_a_stream_that_loses_a_chunk_is_caught(
 def test_an_error_blaming_the_wrong_field_is_caught(
     clean: Live, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(openai_server, "param_of", lambda message, rename: "prompt")
+    monkeypatch.setattr(openai_server, "refused_field", lambda e, rename: "prompt")
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 100000}'
     with pytest.raises(AssertionError, match="'param': 'prompt'"):
         check_bad_request(clean, "completions", body, "max_tokens", None)

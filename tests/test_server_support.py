@@ -59,12 +59,14 @@ class Fatal(BaseException):
 
 
 class FlakyRunner:
-    """The real model runner, raising ``RuntimeError`` on its next ``fail_next`` runs, or
-    ``Fatal`` on every run while ``fatal``."""
+    """The real model runner, raising ``RuntimeError`` on its next ``fail_next`` runs (or,
+    with ``decode_batch`` set, on its next ``fail_next`` decode runs of at least that many
+    sequences), or ``Fatal`` on every run while ``fatal``."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.fail_next = 0
+        self.decode_batch: int | None = None
         self.failed = 0
         self.fatal = False
         self._lock = threading.Lock()
@@ -72,8 +74,9 @@ class FlakyRunner:
     def run(self, seqs: Any, is_prefill: bool) -> Any:
         if self.fatal:
             raise Fatal("injected fatal fault")
+        batch = self.decode_batch
         with self._lock:
-            if self.fail_next > 0:
+            if self.fail_next > 0 and (batch is None or (not is_prefill and len(seqs) >= batch)):
                 self.fail_next -= 1
                 self.failed += 1
                 raise RuntimeError("injected model fault")

@@ -13,19 +13,24 @@ Adding is synchronous for the caller: ``submit`` resolves only once the engine t
 run ``add_request`` for every prompt of the HTTP request, so a refused one (``ValueError``
 /``TypeError``, naming the field) comes back as an exception before anything is streamed,
 and the prompts of that request that were added are aborted again (abort of a request that
-never ran changes nothing else), so nothing is queued. Prompts given as callables (chat
-templates) are rendered here too, so the tokenizer is used by this thread alone.
+never ran changes nothing else), so nothing is queued. Prompts come tokenized (the server
+tokenizes in its own threads), so this thread spends its time on steps.
+
+Every request runs in the engine with ``RequestOutputKind.DELTA``: one that was asked for
+``FINAL_ONLY`` has its deltas merged here (``gather``) and delivered once, finished. So
+each step reports every request it advanced, which is how the metrics measure every
+request's inter-token latency and how the loop knows which requests a step advanced.
 
 Faults: ``LLMEngine.step()`` recovers before it re-raises (every sequence committed or
-preempted), so the loop simply steps again. After ``max_step_failures`` consecutive
-failures it gives up on the requests in flight: they are aborted (blocks freed) and their
-streams get a ``RequestFailed`` (status 500); the engine goes on serving new requests.
+preempted), so the loop steps again. Failures in a row make ``isolation`` look for the
+request at fault (parking and re-adding the requests whose client has seen nothing, by
+bisection); the one found ends alone with a ``RequestFailed`` (500) and the others go on.
 If the thread itself dies (a ``BaseException``), every waiter is failed and ``alive``
 turns False (``/health`` reports it).
 
 Costs: one queue put per HTTP request and per abort, one ``call_soon_threadsafe`` per step,
-a small ``EngineSnapshot`` per loop iteration (read by ``/metrics`` without touching the
-engine), and tokenisation on the engine thread, which delays the next step by its time.
+one output per advanced request per step, and a small ``EngineSnapshot`` per loop
+iteration (read by ``/metrics`` without touching the engine).
 """
 
 from __future__ import annotations
@@ -37,19 +42,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request import RequestOutput
+from paged_engine.entrypoints.gather import Gathered
+from paged_engine.entrypoints.isolation import Quarantine, Suspect
 from paged_engine.entrypoints.loop_types import (
     EngineSnapshot,
     EngineUnavailable,
     Event,
     NoObserver,
     Observer,
-    PromptError,
     RequestFailed,
 )
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
@@ -79,6 +83,26 @@ class _Stop:
     pass
 
 
+@dataclass(slots=True)
+class _Route:
+    """The engine thread's record of one request: where its outputs go, and what it takes
+    to add it again after ``isolation`` parked it."""
+
+    sink: asyncio.Queue[Event]
+    prompt: object
+    params: SamplingParams
+    """As the engine runs it (``DELTA``)."""
+    arrival_time: float
+    gather: Gathered | None
+    """Set when the client wants one final output (the deltas are merged here)."""
+    seen: bool = False
+    """Its client has received an output (a stream cannot be taken back)."""
+    confirmed: bool = False
+    """It produced a token in a successful step since it was (re-)added."""
+    parked: bool = False
+    """Taken out of the engine by ``isolation``, to be added again."""
+
+
 class EngineLoop:
     """See the module docstring. ``start(loop)`` binds it to the event loop that reads
     the outputs; ``submit``/``abort``/``begin_shutdown``/``stop`` may be called from any
@@ -88,11 +112,12 @@ class EngineLoop:
         self, engine: LLMEngine, *, max_step_failures: int = 3, observer: Observer | None = None
     ) -> None:
         self._engine = engine
-        self.max_step_failures = max_step_failures
         self.observer: Observer = observer or NoObserver()
         self._commands: queue.Queue[_Add | _Abort | _Drain | _Stop] = queue.Queue()
-        self._routes: dict[str, asyncio.Queue[Event]] = {}
-        """Engine thread only: where each request's outputs go."""
+        self._routes: dict[str, _Route] = {}
+        """Engine thread only: every request in flight (parked too), in admission order."""
+        self._quarantine = Quarantine(max_step_failures)
+        """Engine thread only: the search for a request that makes every step fail."""
         self._deadline: float | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -125,6 +150,11 @@ class EngineLoop:
         return self._owner
 
     @property
+    def max_step_failures(self) -> int:
+        """Failed steps in a row before the loop looks for the request at fault."""
+        return self._quarantine.threshold
+
+    @property
     def draining(self) -> bool:
         return self._deadline is not None
 
@@ -133,8 +163,7 @@ class EngineLoop:
     ) -> asyncio.Queue[Event]:
         """Add one HTTP request's prompts, all or none; their outputs arrive on the
         returned queue, each request's last one ``finished`` or a ``RequestFailed``.
-        Raises what ``add_request`` raised (nothing was queued), ``PromptError``, or
-        ``EngineUnavailable``."""
+        Raises what ``add_request`` raised (nothing was queued) or ``EngineUnavailable``."""
         sink: asyncio.Queue[Event] = asyncio.Queue()
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._put(_Add(requests, arrival_time, sink, done))
@@ -192,25 +221,22 @@ class EngineLoop:
             self._refuse_pending()
 
     def _serve(self) -> None:
-        failures = 0
         while True:
             engine = self._owned()
-            if not self._take_commands(block=not engine.has_unfinished_requests()):
+            self._release()
+            idle = not engine.has_unfinished_requests() and not self._quarantine.parked
+            if not self._take_commands(block=idle):
                 self._fail_all("the server is shutting down", 503)
                 return
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 self._fail_all("the server is shutting down", 503)
+            self._release()
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
                 except Exception as exc:
-                    failures += 1
-                    log.exception("engine step failed (%d in a row)", failures)
-                    if failures >= self.max_step_failures:
-                        self._fail_all(f"the engine failed {failures} steps in a row: {exc!r}", 500)
-                        failures = 0
+                    self._step_failed(exc)
                 else:
-                    failures = 0
                     self._dispatch(outputs)
             self._publish()
 
@@ -239,53 +265,125 @@ class EngineLoop:
             command.done.set_exception(EngineUnavailable("the server is shutting down"))
             return
         engine = self._owned()
-        added: list[str] = []
+        routes: dict[str, _Route] = {}
         try:
             for request_id, prompt, params in command.requests:
-                if callable(prompt):
-                    prompt = _render(prompt)
+                final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+                if final_only:
+                    params = replace(params, output_kind=RequestOutputKind.DELTA)
+                route = _Route(
+                    command.sink,
+                    prompt,
+                    params,
+                    command.arrival_time,
+                    Gathered() if final_only else None,
+                )
                 engine.add_request(request_id, prompt, params, arrival_time=command.arrival_time)
-                added.append(request_id)
+                routes[request_id] = route
         except Exception as exc:
-            engine.abort_request(added)  # nothing of this request stays queued
+            engine.abort_request(list(routes))  # nothing of this request stays queued
             command.done.set_exception(exc)
             return
-        for request_id in added:
-            self._routes[request_id] = command.sink
-        streamed = command.requests[0][2].output_kind is RequestOutputKind.DELTA
-        self.observer.added(added, command.arrival_time, streamed)
+        self._routes.update(routes)
+        self.observer.added(list(routes), command.arrival_time)
         command.done.set_result(None)
 
     def _abort(self, request_ids: tuple[str, ...]) -> None:
-        mine = [r for r in request_ids if self._routes.pop(r, None) is not None]
-        if mine:
-            self._owned().abort_request(mine)
-            for r in mine:
-                self.observer.ended(r, "aborted")
+        for r in request_ids:
+            route = self._routes.pop(r, None)
+            if route is None:
+                continue
+            if not route.parked:
+                self._owned().abort_request([r])
+            self._gone(r, "aborted")
+
+    def _gone(self, request_id: str, how: str) -> None:
+        self.observer.ended(request_id, how)
+        self._quarantine.gone(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         batch: list[tuple[asyncio.Queue[Event], Event]] = []
+        produced: set[str] = set()
         for out in outputs:
-            sink = self._routes.get(out.request_id)
-            if sink is None:
+            rid = out.request_id
+            route = self._routes.get(rid)
+            if route is None:
                 continue
+            produced.add(rid)
+            route.confirmed = True
             self.observer.output(out)
             if out.finished:
-                del self._routes[out.request_id]
-                self.observer.ended(out.request_id, "finished")
-            batch.append((sink, out))
+                del self._routes[rid]
+                self._gone(rid, "finished")
+            if route.gather is None:
+                route.seen = True
+                batch.append((route.sink, out))
+            else:
+                route.gather.add(out)
+                if out.finished:
+                    batch.append((route.sink, route.gather.result()))
+        self._quarantine.succeeded(produced)
         self._post(batch)
 
+    # ---- faults --------------------------------------------------------------------------
+
+    def _step_failed(self, exc: Exception) -> None:
+        q = self._quarantine
+        log.exception("engine step failed (%d in a row)", q.failures + 1)
+        suspects = [
+            Suspect(r, route.gather is not None or not route.seen, route.confirmed)
+            for r, route in self._routes.items()
+            if not route.parked
+        ]
+        verdict = q.failed(suspects)
+        for r in verdict.park:
+            route = self._routes[r]
+            self._owned().abort_request([r])
+            route.parked, route.confirmed = True, False
+            if route.gather is not None:
+                route.gather.reset()
+        if verdict.park:
+            log.warning("engine steps keep failing: %d request(s) set aside", len(verdict.park))
+        message = (
+            f"the engine failed {q.threshold} steps in a row with this request in the "
+            f"batch: {exc!r}"
+        )
+        for r in verdict.fail:
+            self._fail(r, message, 500)
+
+    def _release(self) -> None:
+        """Add back the parked requests ``isolation`` clears for a probe."""
+        q = self._quarantine
+        if not q.parked:
+            return
+        engine = self._owned()
+        for r in q.release(idle=not engine.has_unfinished_requests()):
+            route = self._routes[r]
+            try:
+                engine.add_request(r, route.prompt, route.params, arrival_time=route.arrival_time)
+            except Exception as exc:  # it was accepted once; fail it rather than the loop
+                self._fail(r, f"the request could not be resumed: {exc!r}", 500)
+            else:
+                route.parked = False
+
+    def _fail(self, request_id: str, message: str, status: int) -> None:
+        route = self._routes.pop(request_id)
+        if not route.parked:
+            self._owned().abort_request([request_id])
+        self._post([(route.sink, RequestFailed(request_id, message, status))])
+        self._gone(request_id, "failed")
+
     def _fail_all(self, message: str, status: int) -> None:
-        ids = list(self._routes)
-        if not ids:
+        routes, self._routes = self._routes, {}
+        self._quarantine.clear()
+        if not routes:
             return
         try:
-            self._owned().abort_request(ids)
+            self._owned().abort_request([r for r, route in routes.items() if not route.parked])
         finally:
             batch: list[tuple[asyncio.Queue[Event], Event]] = []
-            for r in ids:
-                batch.append((self._routes.pop(r), RequestFailed(r, message, status)))
+            for r, route in routes.items():
+                batch.append((route.sink, RequestFailed(r, message, status)))
                 self.observer.ended(r, "failed")
             self._post(batch)
 
@@ -320,13 +418,6 @@ class EngineLoop:
             steps=stats.steps,
             failed_steps=stats.failed_steps,
         )
-
-
-def _render(prompt: Callable[[], Any]) -> object:
-    try:
-        return prompt()
-    except Exception as exc:
-        raise PromptError(f"the prompt could not be rendered: {exc}") from exc
 
 
 def _deliver(batch: list[tuple[asyncio.Queue[Event], Event]]) -> None:

@@ -1,6 +1,6 @@
 """What the engine loop and its users exchange: the events a request's queue receives, the
-errors ``submit`` raises, the snapshot ``/metrics`` reads, and the observer the loop
-reports to. No dependency beyond the engine's outputs."""
+error ``submit`` raises when it takes nothing, the snapshot ``/metrics`` reads, and the
+observer the loop reports to. No dependency beyond the engine's outputs."""
 
 from __future__ import annotations
 
@@ -27,10 +27,6 @@ class EngineUnavailable(RuntimeError):
     """``submit`` refused: the loop is draining for shutdown or has stopped (503)."""
 
 
-class PromptError(ValueError):
-    """A prompt callable (a chat template) raised; the message says why (a 400)."""
-
-
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """The engine's counters, published by the loop after every iteration; ``running``
@@ -52,7 +48,7 @@ class EngineSnapshot:
 class Observer(Protocol):
     """What the loop reports as it goes (the metrics); called on the engine thread."""
 
-    def added(self, request_ids: list[str], arrival_time: float, streamed: bool) -> None: ...
+    def added(self, request_ids: list[str], arrival_time: float) -> None: ...
     def output(self, out: RequestOutput) -> None: ...
     def ended(self, request_id: str, how: str) -> None: ...
 
@@ -60,7 +56,7 @@ class Observer(Protocol):
 class NoObserver:
     """Reports to nobody."""
 
-    def added(self, request_ids: list[str], arrival_time: float, streamed: bool) -> None:
+    def added(self, request_ids: list[str], arrival_time: float) -> None:
         return None
 
     def output(self, out: RequestOutput) -> None:

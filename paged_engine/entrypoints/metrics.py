@@ -9,9 +9,9 @@ thread as outputs leave it:
 
 * time to first token: from the HTTP request's arrival (passed to the engine as the
   request's ``arrival_time``) to the step that sampled its first token;
-* inter-token latency: for a streamed request, the time between consecutive steps that
-  gave it a token; for a non-streamed one (outputs only at the end) the mean gap,
-  ``(last_token_time - first_token_time) / (tokens - 1)``, observed ``tokens - 1`` times.
+* inter-token latency: the time between consecutive steps that gave a request tokens,
+  measured as they happen, streamed or not (the engine loop runs every request with
+  ``DELTA`` outputs, so each such step reports it; see ``engine_loop``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ LATENCY_BUCKETS = (
 
 @dataclass(slots=True)
 class _Timing:
-    streamed: bool
     last_token_time: float | None = None
+    """When the request's previous tokens came (None before the first)."""
 
 
 class ServerMetrics:
@@ -82,10 +82,10 @@ class ServerMetrics:
 
     # ---- the loop's Observer (engine thread) ---------------------------------------------
 
-    def added(self, request_ids: list[str], arrival_time: float, streamed: bool) -> None:
+    def added(self, request_ids: list[str], arrival_time: float) -> None:
         self.added_total.inc(len(request_ids))
         for r in request_ids:
-            self._timings[r] = _Timing(streamed)
+            self._timings[r] = _Timing()
 
     def output(self, out: RequestOutput) -> None:
         timing = self._timings.get(out.request_id)
@@ -95,16 +95,9 @@ class ServerMetrics:
         if timing.last_token_time is None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
             timing.last_token_time = m.first_token_time
-        if timing.streamed:
-            if m.last_token_time > timing.last_token_time:
-                self.itl.observe(m.last_token_time - timing.last_token_time)
-                timing.last_token_time = m.last_token_time
-        elif out.finished:
-            tokens = max(len(c.token_ids) for c in out.outputs)
-            if tokens > 1:
-                gap = (m.last_token_time - m.first_token_time) / (tokens - 1)
-                for _ in range(tokens - 1):
-                    self.itl.observe(gap)
+        if m.last_token_time > timing.last_token_time:
+            self.itl.observe(m.last_token_time - timing.last_token_time)
+            timing.last_token_time = m.last_token_time
 
     def ended(self, request_id: str, how: str) -> None:
         self._timings.pop(request_id, None)

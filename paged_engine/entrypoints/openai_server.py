@@ -6,11 +6,15 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (Prometheus). Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``. With an API key every route but ``/health`` needs ``Authorization: Bearer``.
 
-The life of a request: the body is parsed and validated (pydantic, then
-``SamplingParams``), each a 400 naming the field; the server refuses it with 503 when it
-already holds ``max_queue`` prompts or is shutting down; then ``EngineLoop.submit`` adds
-all its prompts on the engine thread (a refusal there, such as a prompt longer than
-``max_model_len``, is a 400 and leaves nothing queued). A streamed request answers with
+The life of a request: a body over ``max_request_body_bytes`` is a 413 before it is
+parsed; it is parsed and validated (pydantic, then ``SamplingParams``), each a 400 naming
+the field; a text prompt (or conversation) over ``max_prompt_chars`` is a 400 before it is
+tokenized (``limits``); a request needing more sequences (prompts times ``n``) than
+``max_queue`` is a 400, one that would fit later a 503 (the server is full, or shutting
+down); its prompts are tokenized (chat templates rendered) on the ``TokenizePool``'s
+threads, beside the event loop and the engine; then ``EngineLoop.submit`` adds them all on
+the engine thread (a refusal there, such as a prompt longer than ``max_model_len``, is a
+400 and leaves nothing queued). An unknown ``model`` is a 404. A streamed request answers with
 server-sent events, one chunk per new token, then ``data: [DONE]``; the others wait for
 their final outputs. A client that goes away (the stream is cancelled, or a non-streamed
 request sees ``http.disconnect``) has its requests aborted at once, freeing their blocks.
@@ -18,17 +22,16 @@ request sees ``http.disconnect``) has its requests aborted at once, freeing thei
 Shutdown (SIGTERM, SIGINT): uvicorn stops accepting connections; the engine loop refuses
 new requests and lets the running ones go on for ``shutdown_timeout`` seconds, then
 aborts them, so their streams end with an error event and ``[DONE]``; the process exits
-with status 0 once the connections are closed (uvicorn's own limit is that plus 5 s).
+with status 0 within ``shutdown_timeout`` plus a bound (``server_runtime``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,19 +40,26 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.entrypoints.formatters import ChatFormatter, CompletionFormatter
-from paged_engine.entrypoints.loop_types import EngineUnavailable, PromptError
+from paged_engine.entrypoints.http_errors import ApiKeyMiddleware, error_response
+from paged_engine.entrypoints.limits import (
+    admit,
+    check_prompt_chars,
+    prompt_char_limit,
+    prompt_too_long,
+    read_body,
+    text_chars,
+)
+from paged_engine.entrypoints.loop_types import EngineUnavailable
 from paged_engine.entrypoints.metrics import ServerMetrics
 from paged_engine.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
-    error_body,
 )
 from paged_engine.entrypoints.serving import (
     RequestError,
@@ -66,20 +76,29 @@ from paged_engine.entrypoints.streaming import (
     stream_events,
     until_disconnect,
 )
+from paged_engine.entrypoints.tokenize_pool import TokenizePool, encoder
 from paged_engine.sampling_params import SamplingParams
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error"}
+STOP_WAIT_S = 1.0
+"""How long the application's shutdown waits for the engine thread to end (it is a daemon
+thread: a step still running past this does not hold the process)."""
 
 
-def _error(status: int, message: str, param: str | None = None, code: Any = None) -> JSONResponse:
-    type_ = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+def refused_field(e: Exception, rename: dict[str, str]) -> str:
+    """The request field the engine refused, as the client spelled it."""
+    field = getattr(e, "field", None)  # an InvalidRequestError names it
+    if field is None:
+        return param_of(str(e), rename)
+    if field == "prompt_token_ids":  # the ids this server made of the prompt
+        field = "prompt"
+    return rename.get(field, field)
 
 
 class OpenAIServer:
     """The application around one engine (see the module docstring). The engine is handed
-    to the ``EngineLoop`` and touched by its thread alone; ``tokenizer`` is used only
-    there too (chat templates). ``app`` is the ASGI application."""
+    to the ``EngineLoop`` and touched by its thread alone; ``tokenizer`` encodes prompts
+    and renders chat templates on the ``TokenizePool``'s threads (the engine thread only
+    decodes with it). ``app`` is the ASGI application."""
 
     def __init__(
         self,
@@ -101,10 +120,14 @@ class OpenAIServer:
             getattr(tokenizer, "chat_template", None)
         )
         self.max_model_len = max_model_len
+        self.max_prompt_chars = settings.max_prompt_chars or prompt_char_limit(
+            tokenizer, max_model_len
+        )
+        self.tokenize = TokenizePool(settings.tokenize_threads)
         self.model_root = model_root
         self.created = int(time.time())
         self.held = 0
-        """Prompts admitted and not yet ended (event-loop thread only), for ``max_queue``."""
+        """Sequences admitted and not yet ended (event-loop thread only), for ``max_queue``."""
         self.app = self._build_app()
 
     @classmethod
@@ -127,7 +150,8 @@ class OpenAIServer:
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             self.loop.start(asyncio.get_running_loop())
             yield
-            await asyncio.to_thread(self.loop.stop, 10.0)
+            self.tokenize.close()
+            await asyncio.to_thread(self.loop.stop, STOP_WAIT_S)
 
         app = FastAPI(title="paged_engine", lifespan=lifespan)
         if self.settings.api_key is not None:
@@ -136,14 +160,14 @@ class OpenAIServer:
         async def request_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, RequestError)
             self.metrics.rejected.labels(str(exc.status)).inc()
-            return _error(exc.status, exc.message, exc.param, exc.code)
+            return error_response(exc.status, exc.message, exc.param, exc.code)
 
         async def http_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, StarletteHTTPException)
-            return _error(exc.status_code, str(exc.detail))
+            return error_response(exc.status_code, str(exc.detail))
 
         async def unexpected(request: Request, exc: Exception) -> Response:
-            return _error(500, f"internal error: {exc!r}")
+            return error_response(500, f"internal error: {exc!r}")
 
         app.add_exception_handler(RequestError, request_error)
         app.add_exception_handler(StarletteHTTPException, http_error)
@@ -178,7 +202,7 @@ class OpenAIServer:
         return app
 
     async def _parse(self, request: Request, model: type[Any]) -> Any:
-        raw = await request.body()
+        raw = await read_body(request, self.settings.max_request_body_bytes)
         try:
             return model.model_validate_json(raw)
         except ValidationError as e:
@@ -189,8 +213,10 @@ class OpenAIServer:
             raise RequestError(
                 f"the model {name!r} does not exist; this server serves "
                 f"{self.settings.served_model_name!r}",
+                status=404,
                 param="model",
                 code="model_not_found",
+                type_="not_found_error",
             )
 
     async def _completions(self, request: Request) -> Response:
@@ -204,6 +230,7 @@ class OpenAIServer:
         if body.echo and body.logprobs is not None:
             raise RequestError("echo with logprobs is not supported", param="echo")
         prompts = completion_prompts(body)
+        check_prompt_chars(prompts, self.max_prompt_chars)
         max_tokens = 16 if "max_tokens" not in body.model_fields_set else body.max_tokens
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, rename={})
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -218,10 +245,8 @@ class OpenAIServer:
             logprobs=body.logprobs is not None,
             return_token_ids=body.return_token_ids,
         )
-        reqs: list[tuple[str, object, SamplingParams]] = [
-            (i, p, params) for i, p in zip(ids, prompts, strict=True)
-        ]
-        return await self._serve(request, body, reqs, fmt, arrival, rename={})
+        encode = encoder(self.tokenizer, prompts)
+        return await self._serve(request, body, ids, params, encode, fmt, arrival, rename={})
 
     async def _chat(self, request: Request) -> Response:
         arrival = time.time()
@@ -242,7 +267,10 @@ class OpenAIServer:
         rename = {"prompt": "messages", "max_tokens": limit_name, "logprobs": "top_logprobs"}
         params = sampling_params(body, max_tokens=max_tokens, logprobs=k, rename=rename)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt = chat_prompt(self.tokenizer, body, self.settings.chat_template)
+        chars = text_chars([m.model_dump(exclude_none=True) for m in body.messages])
+        if chars > self.max_prompt_chars:
+            raise prompt_too_long("the conversation", chars, self.max_prompt_chars, "messages")
+        render = chat_prompt(self.tokenizer, body, self.settings.chat_template)
         fmt = ChatFormatter(
             rid,
             body.model,
@@ -252,30 +280,31 @@ class OpenAIServer:
             top_logprobs=k,
             return_token_ids=body.return_token_ids,
         )
-        return await self._serve(request, body, [(rid, prompt, params)], fmt, arrival, rename)
+        return await self._serve(
+            request, body, [rid], params, lambda: [render()], fmt, arrival, rename
+        )
 
     async def _serve(
         self,
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
-        reqs: list[tuple[str, object, SamplingParams]],
+        ids: list[str],
+        params: SamplingParams,
+        prepare: Callable[[], list[object]],
         fmt: CompletionFormatter | ChatFormatter,
         arrival: float,
         rename: dict[str, str],
     ) -> Response:
-        """Admit, submit, and answer (a stream or a whole response)."""
-        n = len(reqs)
-        if self.loop.draining or not self.loop.alive:
-            raise RequestError(self.loop.fatal or "the server is shutting down", status=503)
-        if self.held + n > self.settings.max_queue:
-            raise RequestError(
-                f"the server is full: it holds {self.held} of at most "
-                f"{self.settings.max_queue} requests (--max-queue); retry later",
-                status=503,
-                code="overloaded",
-            )
-        self.held += n
-        ids = [r for r, _, _ in reqs]
+        """Admit, tokenize (``prepare``, on the pool), submit, and answer (a stream or a
+        whole response)."""
+        loop = self.loop
+        unavailable = (
+            None
+            if loop.alive and not loop.draining
+            else loop.fatal or "the server is shutting down"
+        )
+        units = admit(len(ids), params.n, self.settings.max_queue, self.held, rename, unavailable)
+        self.held += units
         pending = set(ids)
         released = False
 
@@ -283,19 +312,19 @@ class OpenAIServer:
             nonlocal released
             if not released:
                 released = True
-                self.held -= n
+                self.held -= units
                 self.loop.abort([r for r in ids if r in pending])
 
         try:
-            sink = await self.loop.submit(reqs, arrival)
-        except PromptError as e:
-            release()
-            raise RequestError(str(e), param=rename.get("prompt", "prompt")) from None
+            prompts = await self._prepare(prepare, rename)
+            sink = await self.loop.submit(
+                list(zip(ids, prompts, [params] * len(ids), strict=True)), arrival
+            )
         except (ValueError, TypeError) as e:
             release()
             message = re.sub(r"^add_request: ", "", str(e))
             raise RequestError(
-                message, param=param_of(message, rename), code="invalid_value"
+                message, param=refused_field(e, rename), code="invalid_value"
             ) from None
         except EngineUnavailable as e:
             release()
@@ -315,22 +344,16 @@ class OpenAIServer:
             return Response(status_code=499)
         return JSONResponse(fmt.response(outs).model_dump())
 
-
-class ApiKeyMiddleware:
-    """401 for every request but ``/health`` without ``Authorization: Bearer <api_key>``
-    (compared in constant time). Plain ASGI, so streaming is untouched."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = _error(401, "a valid API key is needed: Authorization: Bearer KEY",
-                                  code="invalid_api_key")  # fmt: skip
-                response.headers["WWW-Authenticate"] = "Bearer"
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    async def _prepare(
+        self, prepare: Callable[[], list[object]], rename: dict[str, str]
+    ) -> list[object]:
+        """The engine's prompts: tokenized, chat templates rendered, on the pool."""
+        try:
+            return await self.tokenize.run(prepare)
+        except (RequestError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a template or tokenizer that raised: the input's fault
+            raise RequestError(
+                f"the prompt could not be tokenized: {exc}",
+                param=rename.get("prompt", "prompt"),
+            ) from exc

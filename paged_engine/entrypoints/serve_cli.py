@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from paged_engine.entrypoints.cli_args import HelpFormatter, add_engine_args, positive
-from paged_engine.entrypoints.settings import API_KEY_ENV, ServerSettings
+from paged_engine.entrypoints.settings import (
+    API_KEY_ENV,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ServerSettings,
+)
 
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 """What ``pip install 'paged_engine[server]'`` brings (pydantic comes with fastapi)."""
@@ -53,14 +59,31 @@ def add_serve_parser(sub: Any) -> None:
         type=positive,
         default=1024,
         metavar="N",
-        help="prompts held at once (queued or running); one more is answered 503",
+        help="sequences held at once, queued or running (a prompt counts n); a request "
+        "that would pass it is answered 503, one that alone needs more 400",
+    )
+    add(
+        "--max-prompt-chars",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="the longest text prompt or conversation, refused (400) before tokenizing "
+        "(default: max_model_len times the tokenizer's longest token)",
+    )
+    add(
+        "--max-request-body-bytes",
+        type=positive,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metavar="N",
+        help="the largest request body; a larger one is answered 413 before it is parsed",
     )
     add(
         "--shutdown-timeout",
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="on SIGTERM/SIGINT, how long in-flight requests may finish before being aborted",
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish before being aborted; "
+        "the process exits at most 3 s later",
     )
     add("--log-level", default="info", choices=list(LOG_LEVELS), help="uvicorn's log level")
     add_engine_args(p)
@@ -100,6 +123,8 @@ def check_serve_args(a: argparse.Namespace) -> None:
             max_queue=a.max_queue,
             shutdown_timeout=a.shutdown_timeout,
             log_level=a.log_level,
+            max_prompt_chars=a.max_prompt_chars,
+            max_request_body_bytes=a.max_request_body_bytes,
         )
     except ValueError as e:
         field, _, rest = str(e).partition(" ")
@@ -111,5 +136,14 @@ def cmd_serve(a: argparse.Namespace, fields: dict[str, Any], params: object) -> 
     from paged_engine.entrypoints.server_runtime import run_server
 
     llm = LLM(a.model, **fields)
-    run_server(llm, a.settings, model_root=str(a.model))
-    return 0
+    try:
+        code = run_server(llm, a.settings, model_root=str(a.model))
+    finally:
+        llm.close()
+    # The interpreter's own exit would now collect every object the model and the engine
+    # made (a full garbage collection: seconds under load, past the shutdown bound). The
+    # server has shut down and the workers are closed: flush and end the process here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

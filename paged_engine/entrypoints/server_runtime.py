@@ -3,10 +3,18 @@ engine loop first, the address announced once listening, and signals.
 
 ``run_server`` installs handlers for SIGINT and SIGTERM that exit with status 0: uvicorn
 catches the signal itself, shuts down gracefully, then re-raises it once it is done.
+
+The shutdown is bounded: the engine loop aborts what still runs ``shutdown_timeout``
+seconds after the signal (the streams end with an error event, the other requests with a
+503); uvicorn waits for the connections to close at most ``GRACE_SLACK_S`` (rounded up to
+a whole second, as uvicorn counts) longer, then cancels them; the engine thread gets
+``STOP_WAIT_S`` to end. So ``serve`` exits within ``shutdown_timeout + SHUTDOWN_BOUND_S``
+(``serve_cli`` ends the process as soon as the server is down).
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from typing import Any
@@ -15,6 +23,14 @@ import uvicorn
 
 from paged_engine.entrypoints.openai_server import OpenAIServer
 from paged_engine.entrypoints.settings import ServerSettings
+
+GRACE_SLACK_S = 1.0
+"""Beyond ``shutdown_timeout``: time for the aborted requests' last events to go out and
+their connections to close, before uvicorn cancels what is left."""
+SHUTDOWN_BOUND_S = 3.0
+"""After ``shutdown_timeout``, the process has exited within this: ``GRACE_SLACK_S`` plus
+uvicorn's rounding up to a whole second (at most 2 s), ``STOP_WAIT_S`` (1 s) for the
+engine thread, and the process's own end."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -53,7 +69,8 @@ def uvicorn_config(server: OpenAIServer) -> uvicorn.Config:
         log_level=s.log_level,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=int(s.shutdown_timeout) + 5,
+        # uvicorn counts from its own shutdown's start, which is the engine loop's too
+        timeout_graceful_shutdown=math.ceil(s.shutdown_timeout + GRACE_SLACK_S),
     )
 
 
@@ -62,11 +79,15 @@ def _exit_quietly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def run_server(llm: Any, settings: ServerSettings, model_root: str | None = None) -> None:
+def run_server(llm: Any, settings: ServerSettings, model_root: str | None = None) -> int:
     """Serve ``llm`` until SIGTERM or SIGINT (see the module docstring); ``model_root`` is
-    shown as the model's ``root`` in ``/v1/models``."""
+    shown as the model's ``root`` in ``/v1/models``. Returns the exit status."""
     server = OpenAIServer.from_llm(llm, settings, model_root)
     config = uvicorn_config(server)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_quietly)
-    DrainingServer(config, server).run()
+    try:
+        DrainingServer(config, server).run()
+    except SystemExit as e:  # _exit_quietly, once uvicorn has shut down
+        return int(e.code or 0)
+    return 0

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 API_KEY_ENV = "PAGED_ENGINE_API_KEY"
 """The environment variable ``serve`` reads the API key from when ``--api-key`` is absent."""
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+"""``--max-request-body-bytes``'s default: room for a batch of long prompts, far below the
+size at which parsing a body costs real memory or time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,12 +18,18 @@ class ServerSettings:
     """``served_model_name``: the ``model`` clients must send (and ``/v1/models`` lists);
     ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer KEY``;
     ``chat_template``: the Jinja template for chat (None: the tokenizer's, if any);
-    ``max_queue``: the most engine requests (prompts, each with its ``n`` completions) the
-    server holds at once, queued or running; one more is answered 503 rather than queued;
+    ``max_queue``: the most sequences (completions: each prompt counts ``n``) the server
+    holds at once, queued or running; a request that would pass it is answered 503 (retry
+    later), or 400 if it alone needs more;
     ``shutdown_timeout``: after SIGTERM/SIGINT, seconds in-flight requests may run on
     before they are aborted (their streams end with an error event);
-    ``max_step_failures``: consecutive failed engine steps after which the requests in
-    flight are failed (500) rather than retried again."""
+    ``max_step_failures``: consecutive failed engine steps after which the loop looks for
+    the request at fault (``isolation``) rather than retrying again;
+    ``max_prompt_chars``: the longest text prompt (or chat conversation) accepted, checked
+    before tokenizing; None: ``max_model_len`` times the tokenizer's longest token
+    (``limits``);
+    ``max_request_body_bytes``: the largest request body accepted (413 beyond);
+    ``tokenize_threads``: the threads that tokenize prompts, beside the event loop."""
 
     served_model_name: str
     host: str = "127.0.0.1"
@@ -31,6 +40,9 @@ class ServerSettings:
     shutdown_timeout: float = 5.0
     max_step_failures: int = 3
     log_level: str = "info"
+    max_prompt_chars: int | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    tokenize_threads: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -49,7 +61,10 @@ class ServerSettings:
             raise ValueError("api_key must be a non-empty string or None")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError(f"chat_template must be a string or None, got {self.chat_template!r}")
-        for name in ("max_queue", "max_step_failures"):
+        names = ["max_queue", "max_step_failures", "max_request_body_bytes", "tokenize_threads"]
+        if self.max_prompt_chars is not None:
+            names.append("max_prompt_chars")
+        for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -40,7 +40,8 @@ async def collect(
 
 
 async def until_disconnect(request: Request, work: Any) -> list[RequestOutput] | None:
-    """``work``'s result, or None (``work`` cancelled) if the client disconnects first."""
+    """``work``'s result, or None (``work`` cancelled, and awaited) if the client
+    disconnects first. Cancelled itself, it cancels both and waits for them."""
     task = asyncio.ensure_future(work)
 
     async def gone() -> None:
@@ -51,9 +52,12 @@ async def until_disconnect(request: Request, work: Any) -> list[RequestOutput] |
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
+        # cancel() only asks: a task is cancelled once it has run again, so each is
+        # awaited before its state is read.
+        for t in (watcher, task):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(watcher, task, return_exceptions=True)
     if task.cancelled():
         return None
     result: list[RequestOutput] = task.result()
