@@ -8,6 +8,7 @@ in flight while the server keeps serving; and the engine touched by one thread o
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -145,13 +146,28 @@ def check_closed_streams(live: Live) -> None:
     assert idle(done) and time.monotonic() - t0 < 2.0, done
 
 
-def test_a_vanished_client_of_a_non_streamed_request_is_aborted(live: Live) -> None:
+def test_a_vanished_client_of_a_non_streamed_request_is_aborted(
+    live: Live, caplog: pytest.LogCaptureFixture
+) -> None:
     before = live.metrics().get('requests_total{outcome="aborted"}', 0)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 480, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(live.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
-    m = live.wait_metrics(idle)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # it does not propagate to the root
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(httpx.ReadTimeout):
+                timeout = httpx.Timeout(5, read=0.3)
+                httpx.post(live.url + "/v1/completions", json=body, timeout=timeout)
+            m = live.wait_metrics(idle)
+            # the route has returned (its abort is what freed the blocks) and logged
+            # whatever it had to; a served request afterwards shows the loop is free
+            r = httpx.post(live.url + "/v1/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
     assert idle(m) and m['requests_total{outcome="aborted"}'] - before == 1, m
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not problems, [(r.getMessage(), r.exc_info) for r in problems]
 
 
 def test_a_failed_step_is_retried_without_changing_any_output(live: Live, offline: LLM) -> None:
