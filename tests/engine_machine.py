@@ -321,7 +321,9 @@ def make_machine(
             assert got == tokens[: len(got)], (out, tokens)
             assert len(got) >= self.streamed[rid], "an output went backwards"
             self.streamed[rid] = len(got)
-            assert completion.text == "".join(f"<{t}>" for t in got), (completion, out)
+            # The token that stopped it (EOS or a stop token) has no text (vLLM's rule).
+            shown = got[:-1] if completion.finish_reason == "stop" else got
+            assert completion.text == "".join(f"<{t}>" for t in shown), (completion, out)
             assert out.finished == (completion.finish_reason is not None)
             if out.finished:  # exactly once: the request then leaves the engine
                 assert got == tokens and completion.finish_reason == reason, (out, tokens)

@@ -274,9 +274,9 @@ AbortMissesFinished = _scheduler(  # S10: abort reaches finished, undelivered se
 FinishNowKeepsBlocks = _scheduler(  # S10: a text stop releases the blocks
     "FinishNowKeepsBlocks",
     (
-        "        seq.status = SequenceStatus.FINISHED\n        if seq.block_table:\n"
-        "            self.block_manager.deallocate(seq)\n\n    # ---- aborting",
-        "        seq.status = SequenceStatus.FINISHED\n\n    # ---- aborting",
+        "        if seq.block_table:  # first: interrupted, it is still running and may repeat\n"
+        "            self.block_manager.deallocate(seq)\n",
+        "",
     ),
 )
 RecoverToBack = _scheduler(  # S11: recovered sequences go to the front of waiting

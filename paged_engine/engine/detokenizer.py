@@ -2,30 +2,42 @@
 
 Why incremental: a stop string must end a request in the step that completes it (the next
 step would already have generated past it), and a streaming client wants each step's new
-text; decoding the whole completion every step would cost O(length) per token. So each
-completion keeps a short window: ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``
-is the text the newest tokens add, where ``prefix..read`` is the already emitted tail the
-new tokens are decoded *in context of* (a byte-level BPE token can be a fragment of a UTF-8
-character, and SentencePiece-style tokenizers drop a word's leading space when it is
-decoded alone). While the window's text ends in U+FFFD (an incomplete character) nothing is
-emitted; the bytes come out with the token that completes them.
+text; decoding the whole completion every step would cost O(length) per token.
 
-Cost: two ``decode`` calls over a few tokens per completion per step. ``generate`` without
-stop strings never pays it: it decodes each completion once, when it finishes.
+The text is the completion's own: exactly what one ``decode`` of its tokens gives, which is
+what ``generate`` returns without stop strings. The prompt is no context for it: a decoder
+that joins tokens with spaces, or drops a word's leading space at the start, would give the
+first token a different text after the prompt than at the start of a decode.
 
-The state is a function of the tokens it has seen: ``num_tokens`` says how many, and a
-completion whose sequence lost tokens (a failed step recovered by preemption) rebuilds it
-from scratch, so it can never disagree with the tokens.
+Each completion keeps a window: the tokens of the last chunk of text it emitted, then the
+tokens held back since. A new token's text is ``decode(window + token)`` minus
+``decode(last chunk)``; it is emitted when the window's text grows and does not end in
+U+FFFD (an incomplete UTF-8 character; a token whose text is empty, a skipped special token
+say, waits with the next), and the new chunk is then everything after the last one. This
+is ``tokenizers.decoders.DecodeStream``'s rule, which ``make_detokenizer`` uses, in Rust,
+for a tokenizer whose ``decode`` is its ``tokenizers`` backend's (transformers' fast
+tokenizers without space clean-up); any other tokenizer (anything with ``decode``) gets the
+same rule in Python. A decoder whose text for earlier tokens changes with later ones has
+no streamed text that never has to be taken back: there the text from the common prefix
+on is emitted (best effort; DecodeStream refuses, and the Python rule takes over).
+
+Each token is taken whole or not at all (the state is assigned once its text is known), so
+an exception anywhere leaves a state that the tokens it has seen determine. A completion
+whose sequence lost tokens (defensive: recovery never drops a token text was made from)
+starts again from none.
+
+Cost: one or two ``decode`` calls over a few tokens per completion per step (about 1 us
+through DecodeStream). ``generate`` without stop strings never pays it: it decodes each
+completion once, when it finishes.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence as SequenceABC
 from typing import Any, Protocol
 
-_CONTEXT = 6
-"""Prompt tokens the first window starts with: enough for a leading space or a split
-UTF-8 character to decode as it does inside the full text."""
+_FFFD = "\ufffd"
 
 
 class Detokenizer(Protocol):
@@ -35,73 +47,161 @@ class Detokenizer(Protocol):
 class IncrementalDetokenizer:
     """The text of one completion, grown token by token (see the module docstring)."""
 
-    __slots__ = ("_ids", "_prefix", "_read", "num_tokens", "skip_special_tokens", "text")
+    __slots__ = ("_chunk", "_ids", "num_tokens", "skip_special_tokens", "text")
 
-    def __init__(self, prompt_token_ids: SequenceABC[int], skip_special_tokens: bool) -> None:
+    def __init__(
+        self, prompt_token_ids: SequenceABC[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        """``prompt_token_ids`` is accepted for callers that pass it and not read: the
+        prompt is no decoding context (see the module docstring)."""
         self.skip_special_tokens = skip_special_tokens
-        self.reset(prompt_token_ids)
+        self.reset()
 
-    def reset(self, prompt_token_ids: SequenceABC[int]) -> None:
+    def reset(self) -> None:
         """Forget every completion token (the state of a completion with none)."""
-        self._ids = list(prompt_token_ids[-_CONTEXT:])
-        self._prefix = 0
-        self._read = len(self._ids)
+        self._ids: list[int] = []
+        """The window: the last emitted chunk's tokens, then the held-back ones."""
+        self._chunk = 0
+        """How many of ``_ids`` are the last emitted chunk."""
         self.num_tokens = 0
         self.text = ""
+
+    def _decode(self, tokenizer: Detokenizer, ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, tokenizer: Detokenizer, token_ids: SequenceABC[int]) -> str:
         """Append completion tokens, one at a time; returns the text they add (possibly "",
         while a character is incomplete). If ``decode`` raises, the tokens before the one
         it raised on are in, that one and the rest are not."""
         start = len(self.text)
-        skip = self.skip_special_tokens
-        if token_ids and self.num_tokens == 0 and self._ids:
-            self._drop_incomplete_context(tokenizer)
         for t in token_ids:
-            ids = [*self._ids, t]
-            before = tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=skip)
-            after = tokenizer.decode(ids[self._prefix :], skip_special_tokens=skip)
-            self._ids = ids
-            self.num_tokens += 1
-            if after.endswith("\ufffd"):
-                continue  # an incomplete character: decode it again with the next token
-            if not after.startswith(before):  # not seen with byte-level BPE; best effort
-                before = before[: _common_prefix(before, after)]
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(ids)
-            # Keep the window short: everything before ``_prefix`` is emitted for good.
-            if self._prefix > 4 * _CONTEXT:
-                drop = self._prefix - _CONTEXT
-                del self._ids[:drop]
-                self._prefix -= drop
-                self._read -= drop
+            self._step(tokenizer, t)
         return self.text[start:]
 
-    def _drop_incomplete_context(self, tokenizer: Detokenizer) -> None:
-        """A prompt that ends inside a character (its last tokens a UTF-8 lead byte)
-        would let the completion's first bytes finish a character that one decode of the
-        completion alone never shows; such a context is dropped, so the streamed text stays
-        exactly the text ``generate`` returns."""
-        context = tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
-        if context.endswith("\ufffd"):
-            self._ids = []
-            self._prefix = self._read = 0
+    def _step(self, tokenizer: Detokenizer, t: int) -> None:
+        ids = [*self._ids, t]
+        after = self._decode(tokenizer, ids)
+        before = self._decode(tokenizer, ids[: self._chunk]) if self._chunk else ""
+        if len(after) <= len(before) or after.endswith(_FFFD):
+            self._ids, self.num_tokens = ids, self.num_tokens + 1  # held back
+            return
+        if not after.startswith(before):  # an earlier token's text changed: best effort
+            before = before[: _common_prefix(before, after)]
+        chunk = ids[self._chunk :]
+        # One assignment once everything is computed: the token is in whole or not at all.
+        self._ids, self._chunk, self.num_tokens, self.text = (
+            chunk,
+            len(chunk),
+            self.num_tokens + 1,
+            self.text + after[len(before) :],
+        )
 
     def flush(self, tokenizer: Detokenizer) -> str:
         """Emit what an incomplete character held back (the completion has ended, so no
         token will complete it): the text is then exactly what one ``decode`` of the
-        whole completion gives, U+FFFD included."""
-        if self._read == len(self._ids):
+        whole completion gives, U+FFFD included. Idempotent."""
+        if self._chunk == len(self._ids):
             return ""
-        skip = self.skip_special_tokens
-        before = tokenizer.decode(self._ids[self._prefix : self._read], skip_special_tokens=skip)
-        after = tokenizer.decode(self._ids[self._prefix :], skip_special_tokens=skip)
+        ids = self._ids
+        after = self._decode(tokenizer, ids)
+        before = self._decode(tokenizer, ids[: self._chunk]) if self._chunk else ""
         if not after.startswith(before):
             before = before[: _common_prefix(before, after)]
         delta = after[len(before) :]
-        self.text += delta
-        self._prefix, self._read = self._read, len(self._ids)
+        self._chunk, self.text = len(ids), self.text + delta
         return delta
+
+
+class StreamingDetokenizer(IncrementalDetokenizer):
+    """``IncrementalDetokenizer``'s rule through ``tokenizers.decoders.DecodeStream`` over a
+    ``tokenizers.Tokenizer`` whose ``decode`` is the tokenizer's (``make_detokenizer``).
+
+    It keeps the same window (``_ids``, ``_chunk``) beside the stream, so that when the
+    stream refuses a token (its decoder changed earlier text) the Python rule takes over
+    from there, for the rest of the completion."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        super().__init__((), skip_special_tokens)
+
+    def reset(self) -> None:
+        super().reset()
+        decoders = sys.modules["tokenizers.decoders"]
+        skip = self.skip_special_tokens
+        self._stream: Any | None = decoders.DecodeStream(skip_special_tokens=skip)
+
+    def _decode(self, tokenizer: Detokenizer, ids: list[int]) -> str:
+        text: str = self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return text
+
+    def _step(self, tokenizer: Detokenizer, t: int) -> None:
+        stream = self._stream
+        if stream is None:
+            super()._step(tokenizer, t)
+            return
+        try:
+            piece = stream.step(self._backend, t)
+        except Exception:  # the stream's InvalidPrefix: the stream is given up
+            self._stream = None
+            super()._step(tokenizer, t)
+            return
+        ids = [*self._ids, t]
+        if piece is None:
+            self._ids, self.num_tokens = ids, self.num_tokens + 1
+            return
+        chunk = ids[self._chunk :]
+        self._ids, self._chunk, self.num_tokens, self.text = (
+            chunk,
+            len(chunk),
+            self.num_tokens + 1,
+            self.text + piece,
+        )
+
+
+_SAME_DECODE_MODULES = frozenset(
+    {
+        "transformers.tokenization_utils_base",
+        "transformers.tokenization_utils_fast",
+        "transformers.tokenization_utils_tokenizers",
+    }
+)
+"""Where transformers defines the ``decode`` and ``_decode`` of its fast tokenizers, which
+return the backend's text as it is when clean-up is off."""
+
+
+def stream_backend(tokenizer: object) -> Any | None:
+    """The ``tokenizers.Tokenizer`` whose ``decode`` gives exactly ``tokenizer.decode``'s
+    text, when ``tokenizers`` has ``DecodeStream``; else None (the Python rule serves).
+
+    Nothing is imported here: a tokenizer built on ``tokenizers`` has imported it already.
+    """
+    tokenizers = sys.modules.get("tokenizers")
+    decoders = sys.modules.get("tokenizers.decoders")
+    if tokenizers is None or not hasattr(decoders, "DecodeStream"):
+        return None
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None  # transformers edits the backend's text afterwards
+    cls = type(tokenizer)
+    for name in ("decode", "_decode"):
+        method = getattr(cls, name, None)
+        if getattr(method, "__module__", None) not in _SAME_DECODE_MODULES:
+            return None  # a subclass decodes its own way
+    return backend
+
+
+def make_detokenizer(backend: Any | None, skip_special_tokens: bool) -> IncrementalDetokenizer:
+    """A completion's detokenizer: through DecodeStream over ``backend`` (from
+    ``stream_backend``) when there is one, else the Python rule over ``decode``."""
+    if backend is not None:
+        return StreamingDetokenizer(backend, skip_special_tokens)
+    return IncrementalDetokenizer((), skip_special_tokens)
 
 
 def _common_prefix(a: str, b: str) -> int:

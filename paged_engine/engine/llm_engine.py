@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from paged_engine.config import EngineConfig
 from paged_engine.engine.block_manager import BlockManager
-from paged_engine.engine.detokenizer import IncrementalDetokenizer
+from paged_engine.engine.detokenizer import make_detokenizer, stream_backend
 from paged_engine.engine.inputs import (
     Tokenizer,
     check_request,
@@ -33,7 +33,6 @@ from paged_engine.engine.inputs import (
     parse_prompt,
 )
 from paged_engine.engine.output_processor import OutputProcessor, RunnerResult
-from paged_engine.engine.outputs import FailedSample
 from paged_engine.engine.progress import Progress
 from paged_engine.engine.request import (
     Completion,
@@ -102,6 +101,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_ids
         self.tokenizer = tokenizer
+        self._text_backend = stream_backend(tokenizer)
+        """What streamed text is decoded through in Rust, or None (``detokenizer.py``)."""
         self.num_blocks = pool
         self.block_manager = block_manager or BlockManager(
             pool,
@@ -163,23 +164,28 @@ class LLMEngine:
             vocab_size=self.vocab_size,
         )
         bs = self.config.kvcache_block_size
+        salt = parsed.cache_salt
+        if sp.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt row computed: a salt no other request has
+            # makes the prefix cache miss (R4s), without a rule of its own. Completion 0
+            # alone computes the rows (vLLM returns them once per request); the others
+            # share its salt, so they hit its blocks, and their params do not ask.
+            # A counter, not an address: an id reused after its request finished would
+            # otherwise hit the earlier request's blocks (CPython reuses ids).
+            salt = f"{salt or ''}\x00prompt_logprobs\x00{request_id}\x00{next(self._salts)}"
+        incremental = has_tok and sp.detokenize and (stream or bool(sp.stop))
         completions = []
         for i in range(sp.n):
             child = sp if sp.seed is None or i == 0 else replace(sp, seed=child_seed(sp.seed, i))
-            salt = parsed.cache_salt
-            if i == 0 and sp.prompt_logprobs is not None:
-                # Prompt logprobs need every prompt row computed: a salt no other request
-                # has makes the prefix cache miss (R4s), without a rule of its own.
-                # A counter, not an address: an id reused after its request finished
-                # would otherwise hit the earlier request's blocks (CPython reuses ids).
-                salt = f"{salt or ''}\x00prompt_logprobs\x00{request_id}\x00{next(self._salts)}"
+            if i and sp.prompt_logprobs is not None:
+                child = replace(child, prompt_logprobs=None)
             # parse_prompt checked the tokens, the config the block size (see the method).
             seq = Sequence.from_checked_tokens(
                 list(parsed.token_ids), child, block_size=bs, cache_salt=salt
             )
-            incremental = has_tok and sp.detokenize and (stream or bool(sp.stop))
-            detok = IncrementalDetokenizer(parsed.token_ids, sp.skip_special_tokens)
-            completions.append(Completion(i, seq, detok if incremental else None))
+            skip = sp.skip_special_tokens
+            detok = make_detokenizer(self._text_backend, skip) if incremental else None
+            completions.append(Completion(i, seq, detok))
         request = Request(request_id, parsed.text, parsed.token_ids, sp, completions)
         if sp.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(parsed.token_ids)
@@ -188,14 +194,19 @@ class LLMEngine:
 
     def _enqueue(self, request: Request) -> None:
         self._requests[request.request_id] = request
-        for c in request.completions:
-            self.outputs.owner[c.seq] = (request, c)
-            self.scheduler.add(c.seq)
+        try:
+            for c in request.completions:
+                self.outputs.owner[c.seq] = (request, c)
+                self.scheduler.add(c.seq)
+        except BaseException:  # a KeyboardInterrupt between completions: none stays queued
+            self.abort_request(request.request_id)
+            raise
 
     def abort_request(self, request_id: str | Iterable[str]) -> bool:
         """Drop requests and free their blocks at once (also a finished request whose
         output was not returned yet). True if any was in the engine."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._settle()  # an interrupted step's sequences are back in a queue first
         found = False
         for rid in ids:
             request = self._requests.pop(rid, None)
@@ -238,24 +249,28 @@ class LLMEngine:
         return self._step(report_running=True)
 
     def _step(self, report_running: bool) -> list[RequestOutput]:
-        self.outputs.catch_up()
-        sched = self.scheduler
+        out, sched = self.outputs, self.scheduler
+        self._settle()  # what an interrupted step left: noted before anything new
+        out.catch_up()
         if not sched.is_finished():
-            seqs, is_prefill = sched.schedule()
-            tokens: list[int | FailedSample | None] | None = None
             try:
+                seqs, is_prefill = sched.schedule()
                 results = self.model_runner.run(seqs, is_prefill)
-                tokens = self.outputs.absorb(seqs, results)
+                tokens = out.absorb(seqs, results)
+                out.expect(seqs, tokens, report_running)
                 sched.postprocess(seqs, tokens, is_prefill)
             except BaseException:
-                undone = set(sched.recover())
-                if tokens is not None:  # postprocess committed some before it raised
-                    kept = [(s, t) for s, t in zip(seqs, tokens, strict=True) if s not in undone]
-                    self.outputs.note([s for s, _ in kept], [t for _, t in kept], report_running)
+                self._settle()
                 raise
-            self.outputs.note(seqs, tokens, report_running)
-            self.outputs.catch_up()
-        return self.outputs.report(report_running)
+            self._settle()
+            out.catch_up()
+        return out.report(report_running)
+
+    def _settle(self) -> None:
+        """Finish the bookkeeping of the last step, wherever it stopped: preempt what it
+        left uncommitted (``Scheduler.recover``), then note the results of the sequences
+        that committed, and only theirs. Each part may run again after an interruption."""
+        self.outputs.settle(self.scheduler.recover())
 
     # ---- batch generation ------------------------------------------------------------------
 
@@ -303,16 +318,21 @@ class LLMEngine:
             for i, (p, sp) in enumerate(zip(batch, per_prompt, strict=True))
         ]
         self._next_id += len(requests)
-        for r in requests:
-            self._enqueue(r)
         return self._run_to_completion(requests, use_tqdm)
 
     def _run_to_completion(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        before = replace(self.scheduler.stats)
-        self.scheduler.stats.peak_blocks_in_use = 0
+        """Queue ``requests`` and step until they are all finished. On any exception the
+        outputs of those that finished, the failing step's included, are attached to it
+        and every one of them is aborted (see ``generate``)."""
+        stats = self.scheduler.stats
+        before = replace(stats)
+        stats.peak_blocks_in_use = 0
         outputs: dict[str, RequestOutput] = {}
-        progress = Progress(len(requests), self.scheduler.stats, enabled=use_tqdm)
+        progress: Progress | None = None
         try:
+            for r in requests:
+                self._enqueue(r)
+            progress = Progress(len(requests), stats, enabled=use_tqdm)
             while self.has_unfinished_requests():
                 if self.scheduler.is_finished() and not self.outputs.pending:
                     raise RuntimeError("generate: requests remain but nothing can run (a bug)")
@@ -320,17 +340,38 @@ class LLMEngine:
                 for out in done:
                     outputs[out.request_id] = out
                 progress.update(done)
+            self.last_run_stats = run_stats(
+                before, stats, len(requests), self.num_blocks, progress.elapsed
+            )
         except BaseException as exc:
-            self.abort_request([r.request_id for r in requests])
+            try:
+                self._salvage(requests, outputs)
+            finally:
+                self.abort_request([r.request_id for r in requests])
             partial = [outputs[r.request_id] for r in requests if r.request_id in outputs]
             _attach_partial_outputs(exc, partial)
             raise
         finally:
-            progress.close()
-        self.last_run_stats = run_stats(
-            before, self.scheduler.stats, len(requests), self.num_blocks, progress.elapsed
-        )
+            if progress is not None:
+                progress.close()
         return [outputs[r.request_id] for r in requests]
+
+    def _salvage(self, requests: list[Request], outputs: dict[str, RequestOutput]) -> None:
+        """After a step raised: add to ``outputs`` every request of ``requests`` that has
+        finished and is not in it, the ones the failing step finished included, with the
+        text the next step would have given them. A request whose text cannot be made now
+        (the tokenizer raises again) is left out; the first exception is what propagates."""
+        try:
+            self._settle()
+            self.outputs.catch_up()
+        except Exception:  # such a request is left out of partial_outputs
+            pass
+        behind = self.outputs.behind
+        for r in requests:
+            if r.request_id in outputs or not r.finished:
+                continue
+            if not any(c in behind for c in r.completions):
+                outputs[r.request_id] = r.output()
 
 
 def _attach_partial_outputs(exc: BaseException, outputs: list[RequestOutput]) -> None:

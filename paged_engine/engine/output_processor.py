@@ -1,17 +1,32 @@
 """From a committed step's results to what ``step`` returns: logprobs stored by position,
 timings, finish reasons, text (incremental detokenisation and stop strings), and the
 vLLM-shaped outputs. It runs after the scheduler has committed, so it never has to undo
-anything: work it did not finish (a tokenizer that raised) is simply still pending, and
-``catch_up`` finishes it at the start of the next step, before anything new is computed.
+anything: work it did not finish is simply still pending, and the next step finishes it
+first, before anything new is computed.
+
+Every stage can be interrupted (an exception or a KeyboardInterrupt at any call) and run
+again to the same result:
+
+* A step's results wait in ``step_notes`` from before the scheduler commits them until
+  ``settle`` notes them. Those of the sequences ``recover()`` preempted are dropped first,
+  in one assignment (their tokens were dropped: no news, no first-token time). Noting is
+  idempotent: times are set once, news and pending text are sets.
+* ``catch_up`` finishes each completion's text or leaves it to be run again: the
+  detokenizer takes each token whole, the stop-string search resumes after the last text
+  it finished searching (``Completion.searched``), and ``Scheduler.finish_now`` may be
+  repeated.
+* ``report`` builds every output before it changes anything, then delivers them with no
+  call that could raise.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
-from paged_engine.engine.detokenizer import find_stop
+from paged_engine.engine.detokenizer import IncrementalDetokenizer, find_stop
 from paged_engine.engine.inputs import Tokenizer
 from paged_engine.engine.outputs import FailedSample, SampleOutput, TokenLogprobs
 from paged_engine.engine.request import (
@@ -23,9 +38,10 @@ from paged_engine.engine.request import (
 )
 from paged_engine.engine.scheduler import Scheduler
 from paged_engine.engine.sequence import Sequence
-from paged_engine.sampling_params import RequestOutputKind
+from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 
 RunnerResult = int | FailedSample | SampleOutput | None
+StepResult = int | FailedSample | None
 
 
 class OutputProcessor:
@@ -43,11 +59,16 @@ class OutputProcessor:
         """Completions with tokens their text and logprobs do not cover yet."""
         self.unreported: dict[str, Request] = {}
         """Requests with news since the last step returned (kept across a failed step)."""
+        self.step_notes: list[tuple[Sequence, StepResult]] = []
+        """The last step's results, from before the scheduler commits them until noted."""
+        self.all_news = False
+        """Whether the step of ``step_notes`` reports running requests (``step()``)."""
 
     @property
     def pending(self) -> bool:
-        """Work left without a model step: text to produce, or outputs to return."""
-        return bool(self.behind or self.unreported)
+        """Work left without a model step: results to note, text to produce, or outputs
+        to return."""
+        return bool(self.behind or self.unreported or self.step_notes or self.scheduler.finished)
 
     def forget(self, request: Request) -> None:
         """Drop an aborted request's records."""
@@ -56,14 +77,12 @@ class OutputProcessor:
             self.owner.pop(c.seq, None)
             self.behind.pop(c, None)
 
-    def absorb(
-        self, seqs: list[Sequence], results: SequenceABC[RunnerResult]
-    ) -> list[int | FailedSample | None]:
+    def absorb(self, seqs: list[Sequence], results: SequenceABC[RunnerResult]) -> list[StepResult]:
         """Store the results' logprobs by position; return the plain tokens. Idempotent:
         a failed step's entries are overwritten when the positions are computed again."""
         if len(results) != len(seqs):
             raise RuntimeError(f"the model runner returned {len(results)} results for {len(seqs)}")
-        tokens: list[int | FailedSample | None] = []
+        tokens: list[StepResult] = []
         for seq, r in zip(seqs, results, strict=True):
             if not isinstance(r, SampleOutput):
                 tokens.append(r)
@@ -72,115 +91,168 @@ class OutputProcessor:
             request, c = self.owner[seq]
             if r.logprobs is not None:
                 _put(c.logprobs, seq.num_completion_tokens, r.logprobs)
-            if r.prompt_logprobs:
+            if r.prompt_logprobs and c.index == 0:  # the others never compute prompt rows
                 first = seq.num_cached_tokens + 1
                 for k, lp in enumerate(r.prompt_logprobs):
                     request.prompt_logprobs[first + k] = lp
         return tokens
 
-    def note(
-        self, seqs: list[Sequence], tokens: list[int | FailedSample | None], all_news: bool
-    ) -> None:
-        """After a committed step: timings, finish reasons, who has news (``all_news``:
-        every request that produced a token; else only finished ones are reported)."""
-        now = time.time()
+    def expect(self, seqs: list[Sequence], tokens: list[StepResult], all_news: bool) -> None:
+        """Hold the step's results until ``settle`` notes the ones the scheduler committed
+        (``all_news``: every request that produced a token has news, else only finished
+        ones are reported)."""
+        self.step_notes = list(zip(seqs, tokens, strict=True))
+        self.all_news = all_news
+
+    def settle(self, undone: Iterable[Sequence]) -> None:
+        """Note the held results but those of ``undone`` (the sequences ``recover()``
+        preempted: their tokens are gone), then the finish reasons of the sequences the
+        scheduler finished. Safe to call at any time, and again after an interruption."""
+        if self.step_notes:
+            void = set(undone)
+            if void:
+                self.step_notes = [(s, t) for s, t in self.step_notes if s not in void]
+            now = time.time()
+            for seq, t in self.step_notes:
+                self._note(seq, t, now)
+            self.step_notes = []
         sched = self.scheduler
-        for seq, t in zip(seqs, tokens, strict=True):
-            request, c = self.owner[seq]
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            if t is None:
-                continue
-            if all_news and request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                self.unreported[request.request_id] = request
-            if isinstance(t, int):
-                request.last_token_time = now
-                if request.first_token_time is None:
-                    request.first_token_time = now
-            params = request.params
-            if c.detok is not None or params.logprobs is not None:
-                self.behind[c] = request
         while sched.finished:
             seq = sched.finished[0]
-            request, c = self.owner[seq]
-            c.finish_reason = sched.finish_reason(seq)
-            c.stop_reason = sched.stop_reason(seq)
-            sched.errors.pop(seq.seq_id, None)
-            self.behind[c] = request
-            self.unreported[request.request_id] = request
+            entry = self.owner.get(seq)
+            if entry is not None:
+                request, c = entry
+                c.finish_reason, c.stop_reason = sched.finish_reason(seq), sched.stop_reason(seq)
+                self.behind[c] = request
+                self.unreported[request.request_id] = request
             sched.finished.pop(0)
+            sched.errors.pop(seq.seq_id, None)
+
+    def _note(self, seq: Sequence, t: StepResult, now: float) -> None:
+        entry = self.owner.get(seq)
+        if entry is None:  # aborted since
+            return
+        request, c = entry
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        if t is None:
+            return
+        params = request.params
+        if self.all_news and params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            self.unreported[request.request_id] = request
+        if isinstance(t, int):
+            request.last_token_time = now
+            if request.first_token_time is None:
+                request.first_token_time = now
+        if (
+            c.detok is not None
+            or params.logprobs is not None
+            # every prompt row is computed once the first token is sampled
+            or (params.prompt_logprobs is not None and c.seq.num_completion_tokens == 1)
+        ):
+            self.behind[c] = request
 
     def catch_up(self) -> None:
         """Bring every completion's text and decoded logprobs up to its tokens; end the
-        ones a stop string stops. Each completion is done or untouched if this raises."""
+        ones a stop string stops. Each completion is done, or left to be done again, if
+        this raises."""
         while self.behind:
             c, request = next(iter(self.behind.items()))
             self._detokenize(request, c)
             del self.behind[c]
 
     def _detokenize(self, request: Request, c: Completion) -> None:
-        params, seq, tok = request.params, c.seq, self.tokenizer
+        params, tok = request.params, self.tokenizer
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self._decode_logprobs(request, c)
         if c.detok is not None and tok is not None:
-            if c.detok.num_tokens > seq.num_completion_tokens:  # a failed step dropped one
-                c.detok.reset(request.prompt_token_ids)
-            if c.finish_reason == "error":
-                c.text = c.detok.text
-                return
-            new = c.detok.add(tok, seq.completion_token_ids[c.detok.num_tokens :])
-            if c.finish_reason is not None:  # ended by its tokens: nothing will follow
-                new += c.detok.flush(tok)
-            c.text = c.detok.text
-            stop_terminated = c.finish_reason == "stop"  # by EOS or a stop token
-            if (
-                params.stop
-                and new
-                and not stop_terminated
-                and seq.num_completion_tokens >= params.min_tokens
-            ):
-                hit = find_stop(c.text, len(new), params.stop)
-                if hit is not None:
-                    stop, at = hit
-                    c.text = (
-                        c.text[: at + len(stop)]
-                        if params.include_stop_str_in_output
-                        else c.text[:at]
-                    )
-                    if c.finish_reason is None:
-                        self.scheduler.finish_now(seq)
-                    c.finish_reason, c.stop_reason = "stop", stop
-                    self.unreported[request.request_id] = request
+            self._stream_text(request, c, c.detok, tok)
         elif c.finish_reason is not None and tok is not None and params.detokenize:
-            c.text = tok.decode(
-                seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens
-            )
+            seq = c.seq
+            ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + _shown(c, params)]
+            c.text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
         if c.finish_reason is not None and request.finished and request.finished_time is None:
             request.finished_time = time.time()
+
+    def _stream_text(
+        self, request: Request, c: Completion, detok: IncrementalDetokenizer, tok: Tokenizer
+    ) -> None:
+        params, seq = request.params, c.seq
+        if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+            return  # a stop string ended it: its text is final
+        if detok.num_tokens > seq.num_completion_tokens:  # a failed step dropped one
+            detok.reset()
+            c.searched = 0
+        start = seq.num_prompt_tokens
+        detok.add(tok, seq.token_ids[start + detok.num_tokens : start + _shown(c, params)])
+        if c.finish_reason == "error":
+            c.text = detok.text
+            return
+        if c.finish_reason is not None:  # ended by its tokens: nothing will follow
+            detok.flush(tok)
+        text = detok.text
+        if (
+            params.stop
+            and len(text) > c.searched
+            and c.finish_reason != "stop"  # not ended by EOS or a stop token
+            and seq.num_completion_tokens >= params.min_tokens
+        ):
+            hit = find_stop(text, len(text) - c.searched, params.stop)
+            if hit is not None:
+                stop, at = hit
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                if c.finish_reason is None:
+                    self.scheduler.finish_now(seq)
+                c.text, c.finish_reason, c.stop_reason = text[:end], "stop", stop
+                self.unreported[request.request_id] = request
+                return
+        c.text, c.searched = text, len(text)
 
     def _decode_logprobs(self, request: Request, c: Completion) -> None:
         tok = self.tokenizer if request.params.detokenize else None
         n = c.seq.num_completion_tokens
         for i in range(len(c.decoded), min(n, len(c.logprobs))):
             _put(c.decoded, i, _as_dict(c.logprobs[i], tok))
-        if c.index == 0 and request.prompt_logprobs:
+        decoded = request.decoded_prompt_logprobs
+        # Rows are stored in order, and decoded once the last one is (see ``_note``).
+        if c.index == 0 and request.prompt_logprobs and decoded[-1] is None:
             for p, lp in enumerate(request.prompt_logprobs):
-                if lp is not None and request.decoded_prompt_logprobs[p] is None:
-                    request.decoded_prompt_logprobs[p] = _as_dict(lp, tok)
+                if lp is not None and decoded[p] is None:
+                    decoded[p] = _as_dict(lp, tok)
 
     def report(self, report_running: bool) -> list[RequestOutput]:
         """Outputs for the requests with news; finished requests leave the engine."""
-        outputs = []
-        for rid, request in list(self.unreported.items()):
+        built = []
+        done = []
+        for request in self.unreported.values():
             if request.finished:
-                outputs.append(request.output())
-                del self.requests[rid]
-                for c in request.completions:
-                    self.owner.pop(c.seq, None)
+                built.append(request.snapshot())
+                done.append(request)
             elif report_running:
-                outputs.append(request.output())
+                built.append(request.snapshot())
+        # Delivery: nothing below calls into the engine, so it cannot stop halfway.
+        for _, sent in built:
+            for c, tokens, chars in sent:
+                c.sent_tokens, c.sent_text = tokens, chars
+        for request in done:
+            del self.requests[request.request_id]
+            for c in request.completions:
+                self.owner.pop(c.seq, None)
         self.unreported.clear()
-        return outputs
+        return [out for out, _ in built]
+
+
+def _shown(c: Completion, params: SamplingParams) -> int:
+    """How many of the completion's tokens have text: all but the token that ended it, an
+    EOS or a stop token, unless ``include_stop_str_in_output`` (vLLM's rule)."""
+    n = c.seq.num_completion_tokens
+    if (
+        c.finish_reason == "stop"
+        and not isinstance(c.stop_reason, str)
+        and not params.include_stop_str_in_output
+    ):
+        return n - 1
+    return n
 
 
 def _put(items: list[Any], i: int, value: Any) -> None:

@@ -112,6 +112,9 @@ class Completion:
     sent_tokens: int = 0
     """Tokens (and below, characters) already reported, for ``RequestOutputKind.DELTA``."""
     sent_text: int = 0
+    searched: int = 0
+    """Characters of the detokenizer's text already searched for stop strings: what is
+    new is what follows, however often the search is interrupted and run again."""
 
 
 @dataclass(slots=True, eq=False)
@@ -139,6 +142,16 @@ class Request:
     def output(self) -> RequestOutput:
         """A snapshot of the request now: cumulative, or for ``RequestOutputKind.DELTA``
         only what is new since the last one (which this call then counts as sent)."""
+        out, sent = self.snapshot()
+        for c, tokens, chars in sent:
+            c.sent_tokens, c.sent_text = tokens, chars
+        return out
+
+    def snapshot(self) -> tuple[RequestOutput, list[tuple[Completion, int, int]]]:
+        """``output()`` without counting anything as sent: the output, and for DELTA what
+        each completion's ``sent_tokens`` and ``sent_text`` become once it is delivered
+        (``OutputProcessor.report`` applies them only when every output of a step is
+        built, so an exception in between loses no delta)."""
         params = self.params
         delta = params.output_kind is RequestOutputKind.DELTA
         # While a completion runs, its last characters could be the start of a stop
@@ -147,6 +160,7 @@ class Request:
         if params.stop and not params.include_stop_str_in_output:
             hold = max(map(len, params.stop)) - 1
         outs = []
+        sent = []
         for c in self.completions:
             n = c.seq.num_completion_tokens
             text = c.text
@@ -170,9 +184,9 @@ class Request:
                 )
             )
             if delta:
-                c.sent_tokens, c.sent_text = n, len(text)
+                sent.append((c, n, len(text)))
         first_seq = self.completions[0].seq
-        return RequestOutput(
+        out = RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,  # shared, never changed: no copy
@@ -190,3 +204,4 @@ class Request:
                 finished_time=self.finished_time,
             ),
         )
+        return out, sent

@@ -204,11 +204,11 @@ class Scheduler:
                     f"scheduler stalled: {len(self.waiting)} waiting, {len(self.running)} "
                     f"running, {self.block_manager.num_free_blocks} free blocks"
                 )
+            self._note_blocks_in_use()
+            self.stats.steps += 1
         except BaseException:
             self.recover()
             raise
-        self.stats.steps += 1
-        self._note_blocks_in_use()
         return scheduled, is_prefill
 
     def _schedule_prefill(self) -> list[Sequence]:
@@ -421,12 +421,12 @@ class Scheduler:
         """End a running sequence between steps (a stop string matched): release its
         blocks; unlike ``abort`` it counts as finished (it is not put in ``finished``:
         the caller reports it)."""
+        if seq.block_table:  # first: interrupted, it is still running and may repeat
+            self.block_manager.deallocate(seq)
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        if seq.block_table:
-            self.block_manager.deallocate(seq)
 
     # ---- aborting -------------------------------------------------------------------------
 
@@ -435,9 +435,9 @@ class Scheduler:
         included) and free its blocks at once. Returns False when it is in none."""
         for queue in (self.waiting, self.running, self.finished):
             if seq in queue:
-                queue.remove(seq)
                 if seq.block_table:
                     self.block_manager.deallocate(seq)
+                queue.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 self.errors.pop(seq.seq_id, None)
                 return True

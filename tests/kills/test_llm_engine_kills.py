@@ -99,7 +99,10 @@ def test_a_prompt_logprobs_salt_starts_with_the_prompts_salt(salt: str | None) -
     first, second = _salts(engine)
     assert first is not None
     assert first.startswith(f"{salt or ''}\x00prompt_logprobs\x00r\x00")
-    assert second == salt  # only completion 0 computes the prompt's logprobs
+    # Completion 0 alone computes the prompt's rows; the other shares its blocks.
+    assert second == first
+    params = [seq.sampling_params.prompt_logprobs for seq in engine.scheduler.waiting]
+    assert params == [0, None]
 
 
 # --------------------------------------------------------------------------------------------

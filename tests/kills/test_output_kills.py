@@ -227,11 +227,13 @@ def test_a_longer_common_prefix_is_not_emitted_again() -> None:
     assert _steps([4], [[13], [6]], skip=False) == (["ééa", "Ax", ""], "ééaAx")
 
 
-def test_the_first_token_is_decoded_in_the_context_of_the_prompts_end() -> None:
-    # The prompt's "a" is the window the first token is decoded after: "Ax" is new
-    # (reset__mutmut_3 and 5 lost that context, and read "x" alone).
-    assert _steps([3], [[6]], skip=False) == (["Ax", ""], "Ax")
-    assert _steps([4, 4, 4, 4, 4, 4, 4, 3], [[6]], skip=False) == (["Ax", ""], "Ax")
+def test_the_first_token_is_decoded_as_the_start_of_the_completion() -> None:
+    # Whatever the prompt ends with, the first token reads as one decode of the completion
+    # does: "x", where after the prompt's "a" it would read "Ax" (the prompt was once the
+    # first window's context, and streamed text then differed from generate's).
+    assert _steps([3], [[6]], skip=False) == (["x", ""], "x")
+    assert _steps([4, 4, 4, 4, 4, 4, 4, 3], [[6]], skip=False) == (["x", ""], "x")
+    assert ContextTokenizer().decode([6]) == "x"
 
 
 def test_trimming_the_window_keeps_the_last_emitted_tokens() -> None:

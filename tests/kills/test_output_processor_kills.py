@@ -136,7 +136,11 @@ def test_the_last_tokens_text_is_searched_for_stop_strings() -> None:
 
 
 def test_a_stop_token_ending_is_not_searched_for_stop_strings() -> None:
-    params = SamplingParams(max_tokens=5, stop=[" "], stop_token_ids=[4], **LONG)
+    # The stop token's text is kept (include_stop_str_in_output), so a search would find
+    # the stop string " " in it.
+    params = SamplingParams(
+        max_tokens=5, stop=[" "], stop_token_ids=[4], include_stop_str_in_output=True, **LONG
+    )
     assert _final(params, [3, 4]) == [("a ", "stop", 4)]
 
 
