@@ -5,6 +5,7 @@ through the same check as the real test, and caught only by that check's asserti
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,18 +14,19 @@ import pytest
 
 import paged_engine.entrypoints.openai_server as openai_server
 from paged_engine import LLM
-from paged_engine.entrypoints.formatters import CompletionFormatter
+from paged_engine.entrypoints.formatters import ChatFormatter, CompletionFormatter
 from paged_engine.entrypoints.serving import param_of
 from tests.test_server import check_bad_request, check_stream
+from tests.test_server_equality import chat_body, check_equal
 from tests.test_server_load import check_closed_streams, check_retried_fault, idle
-from tests.test_server_support import ENGINE, Live, live_server
+from tests.test_server_support import ENGINE, TEMPLATE, Live, live_server
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path) -> Iterator[Live]:
-    with live_server(tiny_model_dir, max_step_failures=3) as server:
+    with live_server(tiny_model_dir, max_step_failures=3, chat_template=TEMPLATE) as server:
         yield server
 
 
@@ -63,6 +65,24 @@ def test_a_stream_that_loses_a_chunk_is_caught(
     client = openai.OpenAI(base_url=clean.url + "/v1", api_key="x", timeout=30, max_retries=0)
     with pytest.raises(AssertionError):
         check_stream(client, {})
+
+
+class ChatStopReasonLost(ChatFormatter):
+    """Streamed chat chunks with ``stop_reason`` null where the whole response has it."""
+
+    def chunks(self, out: Any) -> list[str]:
+        return super().chunks(
+            replace(out, outputs=[replace(c, stop_reason=None) for c in out.outputs])
+        )
+
+
+def test_a_chat_stream_that_drops_the_stop_reason_is_caught(
+    clean: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = chat_body(clean, {"stop": "STOP"})
+    monkeypatch.setattr(openai_server, "ChatFormatter", ChatStopReasonLost)
+    with pytest.raises(AssertionError, match="stop_reason None streamed"):
+        check_equal(clean, "chat/completions", body)
 
 
 def test_an_error_blaming_the_wrong_field_is_caught(
