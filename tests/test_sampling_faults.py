@@ -1,6 +1,8 @@
 """Sampling through the real model path (the tiny Qwen3): temperatures too small to divide
 by, top_k beyond any tensor, seeds of any size, and non-finite logits, for which the model
-runner returns ``FailedSample`` in place of a token."""
+runner returns ``FailedSample`` in place of a token; and a request whose processing,
+probabilities or draw raise inside the sampler, which fails alone (``finish_reason
+"error"``) while the rest of its batch gets exactly the tokens it gets without it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from paged_engine import LLM, SamplingParams
 from paged_engine.config import EngineConfig
 from paged_engine.engine.outputs import FailedSample
 from paged_engine.engine.sequence import Sequence
+from paged_engine.layers import sampler as sampler_module
+from paged_engine.layers.sampler import Sampler
 from paged_engine.utils.tiny_model import make_tiny_model
 from paged_engine.worker.model_runner import ModelRunner
 from tests.hf_oracle import HFOracle, compare
@@ -178,3 +182,89 @@ def test_nan_weights_fail_their_request_with_error_and_spare_the_rest(untied_llm
     assert [o.finish_reason for o in out] == ["length", "error", "length"]
     assert out[1].token_ids == []  # no garbage token before the failure
     assert isinstance(out[1].stop_reason, str) and "not finite" in out[1].stop_reason
+
+
+# ------------------------------------- a request whose sampling raises fails alone (sampler)
+
+MARK = 0.125
+"""The presence penalty that marks the request whose processing the tests make raise."""
+
+
+def _isolation_batch() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Greedy and seeded requests, processed (penalties, a bias) or not, around index 1."""
+    prompts = [PROMPTS[0], [4, 4, 2], PROMPTS[1], PROMPTS[2], [7, 1]]
+    params = [
+        _sampled(temperature=0, presence_penalty=0.5),
+        _sampled(seed=9, presence_penalty=MARK, temperature=0.77),  # the one that fails
+        _sampled(seed=7, repetition_penalty=1.2),
+        _sampled(temperature=0),
+        _sampled(seed=8, logit_bias={5: 2.0}, top_k=30),
+    ]
+    return prompts, params
+
+
+def _without(items: list[Any], index: int) -> list[Any]:
+    return items[:index] + items[index + 1 :]
+
+
+@pytest.mark.parametrize("phase", ["apply_logits_processors", "probabilities"])
+def test_a_request_whose_sampling_raises_fails_alone(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, phase: str
+) -> None:
+    prompts, params = _isolation_batch()
+    alone = llm.generate(_without(prompts, 1), _without(params, 1), use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in alone]
+    assert len({t for ts in want for t in ts}) > 5
+    real = getattr(sampler_module, phase)
+
+    def faulty(logits: torch.Tensor, rows: Any, *args: Any) -> torch.Tensor:
+        if any(p.presence_penalty == MARK for p in rows):
+            raise RuntimeError("injected fault")
+        return real(logits, rows, *args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(sampler_module, phase, faulty)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [c.token_ids for c in _without(outs, 1)] == want
+    assert [c.finish_reason for c in outs] == ["length", "error", "length", "length", "length"]
+    assert outs[1].token_ids == []
+    assert isinstance(outs[1].stop_reason, str)
+    assert "RuntimeError: injected fault" in outs[1].stop_reason
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    monkeypatch.undo()
+    again = llm.generate(_without(prompts, 1), _without(params, 1), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == want
+
+
+def test_a_draw_that_raises_fails_only_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 2
+    params = [SamplingParams(seed=s, top_p=0.95) for s in range(4)]
+
+    def gens(seeds: list[int | None]) -> list[torch.Generator | None]:
+        return [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+
+    torch.manual_seed(11)
+    clean = Sampler()(logits, params, gens([1, 2, None, 4]))
+    broken = gens([1, 2, None, 4])
+    real = sampler_module._draw
+
+    def faulty(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if generator is broken[1]:
+            raise RuntimeError("injected draw fault")
+        return real(probs, generator)
+
+    monkeypatch.setattr(sampler_module, "_draw", faulty)
+    torch.manual_seed(11)
+    got = Sampler()(logits, params, broken)
+    assert [got[0], got[2], got[3]] == [clean[0], clean[2], clean[3]]
+    assert isinstance(got[1], FailedSample) and "injected draw fault" in got[1].reason
+
+
+def test_untokenized_bad_words_fail_their_row_alone() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    greedy = SamplingParams(temperature=0)
+    params = [greedy, SamplingParams(temperature=0, bad_words=["x"]), greedy]
+    got = Sampler()(logits, params, [None] * 3)
+    assert got[0] == int(logits[0].argmax()) and got[2] == int(logits[2].argmax())
+    assert isinstance(got[1], FailedSample) and "never tokenized" in got[1].reason
