@@ -18,7 +18,12 @@ import pytest
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.config import EngineConfig
-from paged_engine.engine.inputs import check_request, tokenize_bad_words
+from paged_engine.engine.inputs import (
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    check_request,
+    tokenize_bad_words,
+)
 from paged_engine.errors import InvalidRequestError
 from tests.engine_machine import VOCAB, build_engine
 from tests.fake_model import FakeTokenizer
@@ -191,3 +196,22 @@ def test_a_banned_word_holds_for_every_completion_of_a_sampled_request(llm: LLM)
     again = llm.generate(PROMPTS, SamplingParams(**base, bad_words=[word]), use_tqdm=False)
     assert all(t not in c.token_ids for o in again for c in o.outputs)
     assert sum(len(c.token_ids) for o in again for c in o.outputs) == len(drawn)
+
+
+class OneToken:
+    """Every text is token 1."""
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "w"
+
+
+def test_bad_words_at_their_bounds_are_accepted() -> None:
+    cfg = EngineConfig(max_model_len=40, kvcache_block_size=4, num_kvcache_blocks=16)
+    words = [f"{i:03d}" + "w" * (MAX_BAD_WORD_CHARS - 3) for i in range(MAX_BAD_WORDS)]
+    out = check_request(
+        [1], SamplingParams(bad_words=words), cfg, 16, "w", has_tokenizer=True, tokenizer=OneToken()
+    )
+    assert out.bad_words_token_ids == ((1,),)  # every word and spelling is token 1

@@ -15,6 +15,7 @@ import torch
 from paged_engine import LLM, SamplingParams
 from paged_engine.errors import InvalidRequestError
 from paged_engine.layers.logits_processors import apply_logits_processors, processes
+from paged_engine.layers.sampler import Sampler
 from tests.hf_oracle import TIE_MARGIN, HFOracle
 
 SMALL: dict[str, Any] = dict(num_kvcache_blocks=64, max_model_len=128, dtype="float32")
@@ -170,3 +171,15 @@ def test_bad_words_that_were_never_tokenized_are_refused_by_row() -> None:
     with pytest.raises(ValueError, match="row 0: its bad_words were never tokenized"):
         apply_logits_processors(logits, [SamplingParams(bad_words=["w"])], [History([1], [])])
     assert logits.tolist() == [[0.0] * 4]
+
+
+def test_a_one_token_bad_word_needs_no_history_and_a_longer_one_does() -> None:
+    logits = torch.tensor([[1.0, 5.0, 2.0]])
+    one = SamplingParams(temperature=0, bad_words=["w"], bad_words_token_ids=[[1]])
+    assert processes(one, None)
+    assert Sampler()(logits, [one], [None]) == [2]  # the argmax, 1, is banned
+    two = SamplingParams(temperature=0, bad_words=["w"], bad_words_token_ids=[[2, 1]])
+    with pytest.raises(ValueError, match="row 0 uses penalties, min_tokens or bad_words"):
+        apply_logits_processors(logits.clone(), [two], [None])
+    assert Sampler()(logits, [two], [None], [History([0], [2])]) == [2]
+    assert Sampler()(logits, [two], [None], [History([0], [0])]) == [1]
