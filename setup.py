@@ -10,36 +10,53 @@ the layers their torch ops.
 
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 OPENMP = "-fopenmp"
+MVEC = "mvec"
 
 
 class BuildExt(build_ext):
-    """setup.py's build_ext, but without OpenMP where the compiler or linker refuses
-    ``-fopenmp`` (clang without libomp, MSVC): the kernel then runs single-threaded
-    (csrc/paged_decode_cpu.c's ``run_items`` is guarded by ``_OPENMP``)."""
+    """setup.py's build_ext, but without what this toolchain cannot link: OpenMP where the
+    compiler or linker refuses ``-fopenmp`` (clang without libomp, MSVC: the kernel then
+    runs single-threaded, csrc/paged_decode_cpu.c's ``run_items`` is guarded by
+    ``_OPENMP``), and glibc's vector math library where there is none (aarch64 before
+    glibc 2.38, whose headers then declare no vector expf either: the scalar one serves)."""
 
     def build_extensions(self) -> None:
-        if not self._links_openmp():
-            for ext in self.extensions:
+        openmp = self._links(
+            "#include <omp.h>\nint main(void) { return !omp_get_max_threads(); }\n",
+            flags=[OPENMP],
+        )
+        mvec = self._links("int main(void) { return 0; }\n", libraries=[MVEC])
+        for ext in self.extensions:
+            if not openmp:
                 ext.extra_compile_args = [a for a in ext.extra_compile_args if a != OPENMP]
                 ext.extra_link_args = [a for a in ext.extra_link_args if a != OPENMP]
+            if not mvec:
+                ext.libraries = [lib for lib in ext.libraries if lib != MVEC]
         super().build_extensions()
 
-    def _links_openmp(self) -> bool:
+    def _links(self, source: str, flags: Sequence[str] = (), libraries: Sequence[str] = ()) -> bool:
+        """Whether a program of ``source`` compiles and links with ``flags`` and
+        ``libraries`` here."""
         with tempfile.TemporaryDirectory() as tmp:
             probe = Path(tmp, "probe.c")
-            probe.write_text(
-                "#include <omp.h>\nint main(void) { return !omp_get_max_threads(); }\n"
-            )
+            probe.write_text(source)
             try:
-                objs = self.compiler.compile([str(probe)], output_dir=tmp, extra_postargs=[OPENMP])
+                objs = self.compiler.compile(
+                    [str(probe)], output_dir=tmp, extra_postargs=list(flags)
+                )
                 self.compiler.link_executable(
-                    objs, "probe", output_dir=tmp, extra_postargs=[OPENMP]
+                    objs,
+                    "probe",
+                    output_dir=tmp,
+                    libraries=list(libraries),
+                    extra_postargs=list(flags),
                 )
             except Exception:  # CompileError, LinkError, or no usable compiler at all
                 return False
@@ -57,11 +74,13 @@ setup(
                 # A second module in the same library (PyInit__fused_ops, PEP 489).
                 "csrc/fused_ops.c",
             ],
-            # The kernel template and shared declarations: a change to either rebuilds.
-            depends=["csrc/paged_decode_cpu.h", "csrc/paged_decode_head.h"],
+            # The kernel template and shared declarations: a change to any rebuilds.
+            depends=["csrc/isa.h", "csrc/paged_decode_cpu.h", "csrc/paged_decode_head.h"],
             include_dirs=["csrc"],
-            # No -march: the AVX2 and AVX512-BF16 copies carry their own target attributes
-            # and are chosen at load time, so one build runs on any x86-64 (and elsewhere).
+            # No -march: the x86-64-v3/v4 and AVX512-BF16 copies carry their own target
+            # attributes (csrc/isa.h) and the launchers choose one per call from
+            # paged_engine/platform.py, so one build runs on any x86-64 (and elsewhere, as
+            # the baseline copies alone).
             # Fast-math for vectorised dots and expf at compile time only: linking with it
             # would add crtfastmath.o, which flushes denormals process-wide.
             extra_compile_args=["-O3", "-ffast-math", OPENMP],
@@ -69,8 +88,9 @@ setup(
             # toolchain lacks it. GCC's libgomp.so.1: a process that imports torch first maps
             # torch's bundled copy only (tests/test_cpu_kernel_threads.py reads its maps).
             extra_link_args=[OPENMP],
-            # glibc's vector math library: the vectorised expf that fast-math calls.
-            libraries=["mvec", "m"] if sys.platform == "linux" else [],
+            # glibc's vector math library: the vectorised expf that fast-math calls (dropped
+            # by BuildExt where it does not link).
+            libraries=[MVEC, "m"] if sys.platform == "linux" else [],
             optional=True,
         )
     ],

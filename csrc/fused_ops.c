@@ -40,14 +40,32 @@
 #include <omp.h>
 #endif
 
-/* Each specialised copy is built for AVX-512 (x86-64-v4) and AVX2+FMA (x86-64-v3) besides
- * the baseline, picked at load time; elsewhere the compiler's baseline alone. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
+#include "isa.h"
+
 #define INLINE static inline __attribute__((always_inline))
+
+/* A worker: items [begin, end) of a call (rows, or (token, head) pairs). */
+typedef void (*RangeFn)(const void *args, int lanes, int64_t begin, int64_t end);
+
+/* `name`'s workers, one per instruction-set level (isa.h): name##_levels[isa], NULL where
+ * this build lacks the level. The launcher picks the level. Each runs `body` (over the
+ * arguments a, L, begin, end), compiled for its level; the exact sections below keep one
+ * arithmetic, so the norms and the rotation give the same bits at every level. */
+#ifdef HAVE_X86_LEVELS
+#define LEVELS(name, body)                                                                  \
+    static void name##_base(const void *a, int L, int64_t begin, int64_t end) { body; }     \
+    ATTR_X86_64_V3 static void name##_v3(const void *a, int L, int64_t begin, int64_t end) { \
+        body;                                                                               \
+    }                                                                                       \
+    ATTR_X86_64_V4 static void name##_v4(const void *a, int L, int64_t begin, int64_t end) { \
+        body;                                                                               \
+    }                                                                                       \
+    static const RangeFn name##_levels[ISA_LEVELS] = {name##_base, name##_v3, name##_v4};
+#else
+#define LEVELS(name, body)                                                              \
+    static void name##_base(const void *a, int L, int64_t begin, int64_t end) { body; } \
+    static const RangeFn name##_levels[ISA_LEVELS] = {name##_base, NULL, NULL};
+#endif
 
 #define MAX_COLS 16384 /* a row's widened copy lives on the stack */
 #define MAX_LANES 16
@@ -187,13 +205,8 @@ INLINE void add_rms_norm_rows(const NormArgs *a, const int bf16, const int L, in
     }
 }
 
-static CLONES void add_rms_norm_f32(const void *a, int L, int64_t begin, int64_t end) {
-    add_rms_norm_rows(a, 0, L, begin, end);
-}
-
-static CLONES void add_rms_norm_bf16(const void *a, int L, int64_t begin, int64_t end) {
-    add_rms_norm_rows(a, 1, L, begin, end);
-}
+LEVELS(add_rms_norm_f32, add_rms_norm_rows(a, 0, L, begin, end))
+LEVELS(add_rms_norm_bf16, add_rms_norm_rows(a, 1, L, begin, end))
 
 typedef struct {
     void *qk;
@@ -230,13 +243,8 @@ INLINE void qk_norm_rope_rows(const RopeArgs *a, const int bf16, const int L, in
     }
 }
 
-static CLONES void qk_norm_rope_f32(const void *a, int L, int64_t begin, int64_t end) {
-    qk_norm_rope_rows(a, 0, L, begin, end);
-}
-
-static CLONES void qk_norm_rope_bf16(const void *a, int L, int64_t begin, int64_t end) {
-    qk_norm_rope_rows(a, 1, L, begin, end);
-}
+LEVELS(qk_norm_rope_f32, qk_norm_rope_rows(a, 0, L, begin, end))
+LEVELS(qk_norm_rope_bf16, qk_norm_rope_rows(a, 1, L, begin, end))
 
 #pragma GCC pop_options
 
@@ -264,21 +272,13 @@ INLINE void silu_and_mul_rows(const SiluArgs *a, const int bf16, int64_t begin, 
     }
 }
 
-static CLONES void silu_and_mul_f32(const void *a, int L, int64_t begin, int64_t end) {
-    (void)L;
-    silu_and_mul_rows(a, 0, begin, end);
-}
-
-static CLONES void silu_and_mul_bf16(const void *a, int L, int64_t begin, int64_t end) {
-    (void)L;
-    silu_and_mul_rows(a, 1, begin, end);
-}
+LEVELS(silu_and_mul_f32, ((void)L, silu_and_mul_rows(a, 0, begin, end)))
+LEVELS(silu_and_mul_bf16, ((void)L, silu_and_mul_rows(a, 1, begin, end)))
 
 /* Items [0, count) split into one contiguous range per thread, each computed whole by its
  * thread (so the bits do not depend on the thread count). The OpenMP region lives out here,
  * not in the workers: GCC outlines a region's body into a function of its own, which would
- * lose the workers' target_clones. Returns the number of threads that ran. */
-typedef void (*RangeFn)(const void *args, int lanes, int64_t begin, int64_t end);
+ * lose the workers' target attributes. Returns the number of threads that ran. */
 
 static int run_ranges(RangeFn fn, const void *args, int lanes, int64_t count, int threads) {
 #ifdef _OPENMP
@@ -300,12 +300,26 @@ static int run_ranges(RangeFn fn, const void *args, int lanes, int64_t count, in
 
 /* ------------------------------------------------------------------ Python entry points */
 
-static int check_common(int dtype, int lanes, int threads, int64_t cols) {
+/* The worker for `dtype` at level `isa` from the op's two tables, or NULL with a
+ * ValueError set where either is not one this module has and this CPU runs. */
+static RangeFn pick(const RangeFn f32[ISA_LEVELS], const RangeFn bf16[ISA_LEVELS], int dtype,
+                    int isa) {
     if (dtype != DT_F32 && dtype != DT_BF16) {
         PyErr_Format(PyExc_ValueError, "fused ops: dtype code %d is not 0 (f32) or 1 (bf16)",
                      dtype);
-        return -1;
+        return NULL;
     }
+    const RangeFn fn = isa >= 0 && isa < ISA_LEVELS ? (dtype == DT_F32 ? f32 : bf16)[isa] : NULL;
+    if (fn == NULL || !isa_usable(isa)) {
+        PyErr_Format(PyExc_ValueError,
+                     "fused ops: instruction-set level %d is not built or not run by this CPU",
+                     isa);
+        return NULL;
+    }
+    return fn;
+}
+
+static int check_common(int lanes, int threads, int64_t cols) {
     if (lanes != 8 && lanes != 16) {
         PyErr_Format(PyExc_ValueError, "fused ops: lanes must be 8 or 16, got %d", lanes);
         return -1;
@@ -328,12 +342,13 @@ static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, res, w, out, res_out;
     NormArgs a;
-    int dtype, lanes, threads;
-    if (!PyArg_ParseTuple(args, "KLKLKLKLKLLfiii", &x, &a.xs, &res, &a.rs, &out, &a.os,
+    int dtype, lanes, threads, isa;
+    if (!PyArg_ParseTuple(args, "KLKLKLKLKLLfiiii", &x, &a.xs, &res, &a.rs, &out, &a.os,
                           &res_out, &a.ros, &w, &a.rows, &a.n, &a.eps, &dtype, &lanes,
-                          &threads))
+                          &threads, &isa))
         return NULL;
-    if (check_common(dtype, lanes, threads, a.n) < 0) return NULL;
+    const RangeFn fn = pick(add_rms_norm_f32_levels, add_rms_norm_bf16_levels, dtype, isa);
+    if (fn == NULL || check_common(lanes, threads, a.n) < 0) return NULL;
     if (a.rows < 0 || (res != 0) != (res_out != 0)) {
         PyErr_SetString(PyExc_ValueError,
                         "add_rms_norm: rows must be >= 0, residual and residual_out given "
@@ -343,8 +358,7 @@ static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
     a.x = PTR(x), a.res = PTR(res), a.w = PTR(w), a.out = PTR(out), a.res_out = PTR(res_out);
     int team;
     Py_BEGIN_ALLOW_THREADS;
-    team = run_ranges(dtype == DT_F32 ? add_rms_norm_f32 : add_rms_norm_bf16, &a, lanes, a.rows,
-                      threads);
+    team = run_ranges(fn, &a, lanes, a.rows, threads);
     Py_END_ALLOW_THREADS;
     return PyLong_FromLong(team);
 }
@@ -353,11 +367,13 @@ static PyObject *py_qk_norm_rope(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long qk, wq, wk, cos, sin;
     RopeArgs a;
-    int dtype, lanes, threads;
-    if (!PyArg_ParseTuple(args, "KLLLLKKKKLLfiii", &qk, &a.ts, &a.tokens, &a.q_heads, &a.heads,
-                          &wq, &wk, &cos, &sin, &a.cs, &a.d, &a.eps, &dtype, &lanes, &threads))
+    int dtype, lanes, threads, isa;
+    if (!PyArg_ParseTuple(args, "KLLLLKKKKLLfiiii", &qk, &a.ts, &a.tokens, &a.q_heads, &a.heads,
+                          &wq, &wk, &cos, &sin, &a.cs, &a.d, &a.eps, &dtype, &lanes, &threads,
+                          &isa))
         return NULL;
-    if (check_common(dtype, lanes, threads, a.d) < 0) return NULL;
+    const RangeFn fn = pick(qk_norm_rope_f32_levels, qk_norm_rope_bf16_levels, dtype, isa);
+    if (fn == NULL || check_common(lanes, threads, a.d) < 0) return NULL;
     if (a.tokens < 0 || a.d % 2 || a.q_heads < 0 || a.q_heads > a.heads) {
         PyErr_SetString(PyExc_ValueError,
                         "qk_norm_rope: needs tokens >= 0, an even head dim and "
@@ -367,8 +383,7 @@ static PyObject *py_qk_norm_rope(PyObject *self, PyObject *args) {
     a.qk = PTR(qk), a.wq = PTR(wq), a.wk = PTR(wk), a.cos = PTR(cos), a.sin = PTR(sin);
     int team;
     Py_BEGIN_ALLOW_THREADS;
-    team = run_ranges(dtype == DT_F32 ? qk_norm_rope_f32 : qk_norm_rope_bf16, &a, lanes,
-                      a.tokens * a.heads, threads);
+    team = run_ranges(fn, &a, lanes, a.tokens * a.heads, threads);
     Py_END_ALLOW_THREADS;
     return PyLong_FromLong(team);
 }
@@ -378,11 +393,12 @@ static PyObject *py_silu_and_mul(PyObject *self, PyObject *args) {
     unsigned long long x, out;
     SiluArgs a;
     long long rows;
-    int dtype, threads;
-    if (!PyArg_ParseTuple(args, "KLKLLLii", &x, &a.xs, &out, &a.os, &rows, &a.d, &dtype,
-                          &threads))
+    int dtype, threads, isa;
+    if (!PyArg_ParseTuple(args, "KLKLLLiii", &x, &a.xs, &out, &a.os, &rows, &a.d, &dtype,
+                          &threads, &isa))
         return NULL;
-    if (check_common(dtype, 8, threads, 1) < 0) return NULL;
+    const RangeFn fn = pick(silu_and_mul_f32_levels, silu_and_mul_bf16_levels, dtype, isa);
+    if (fn == NULL || check_common(8, threads, 1) < 0) return NULL;
     if (rows < 0 || a.d < 0) {
         PyErr_SetString(PyExc_ValueError, "silu_and_mul: rows and d must be >= 0");
         return NULL;
@@ -390,24 +406,34 @@ static PyObject *py_silu_and_mul(PyObject *self, PyObject *args) {
     a.x = PTR(x), a.out = PTR(out);
     int team;
     Py_BEGIN_ALLOW_THREADS;
-    team = run_ranges(dtype == DT_F32 ? silu_and_mul_f32 : silu_and_mul_bf16, &a, 8, rows,
-                      threads);
+    team = run_ranges(fn, &a, 8, rows, threads);
     Py_END_ALLOW_THREADS;
     return PyLong_FromLong(team);
+}
+
+static PyObject *py_isa_levels(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    int built[ISA_LEVELS]; /* every op's tables have the same levels (LEVELS) */
+    for (int isa = 0; isa < ISA_LEVELS; isa++) built[isa] = add_rms_norm_f32_levels[isa] != NULL;
+    return isa_levels_usable(built);
 }
 
 static PyMethodDef methods[] = {
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
      "add_rms_norm(x, x_stride, res, res_stride, out, out_stride, res_out, res_out_stride, "
-     "weight, rows, n, eps, dtype, lanes, threads): raw addresses (res = res_out = 0: no "
-     "residual); returns the threads that ran. Use paged_engine.kernels.fused_ops_cpu."},
+     "weight, rows, n, eps, dtype, lanes, threads, isa): raw addresses (res = res_out = 0: "
+     "no residual), isa the instruction-set level's code (0 baseline, 1 x86-64-v3, 2 "
+     "x86-64-v4); returns the threads that ran. Use paged_engine.kernels.fused_ops_cpu."},
     {"qk_norm_rope", py_qk_norm_rope, METH_VARARGS,
      "qk_norm_rope(qk, token_stride, tokens, q_heads, heads, wq, wk, cos, sin, cos_stride, "
-     "head_dim, eps, dtype, lanes, threads): in place; returns the threads that ran. Use "
-     "paged_engine.kernels.fused_ops_cpu."},
+     "head_dim, eps, dtype, lanes, threads, isa): in place; returns the threads that ran. "
+     "Use paged_engine.kernels.fused_ops_cpu."},
     {"silu_and_mul", py_silu_and_mul, METH_VARARGS,
-     "silu_and_mul(x, x_stride, out, out_stride, rows, d, dtype, threads): returns the "
+     "silu_and_mul(x, x_stride, out, out_stride, rows, d, dtype, threads, isa): returns the "
      "threads that ran. Use paged_engine.kernels.fused_ops_cpu."},
+    {"isa_levels", py_isa_levels, METH_NOARGS,
+     "isa_levels(): the instruction-set levels this build has and this CPU runs, best "
+     "first."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,8 +3,9 @@
  * bfloat16, everything in between float32. Two instantiations:
  *
  * - portable: each bfloat16 widened to float32 (a 16-bit shift, exact) and multiplied in
- *   float32. Plain C, built for the compiler's baseline and, on x86-64 with GCC, also for
- *   AVX2+FMA (target_clones, picked at load time like the float32 kernel).
+ *   float32. Plain C, one copy per instruction-set level up to x86-64-v3 (isa.h; the
+ *   launcher picks the level, as for the float32 kernel). No v4 copy: AVX-512 CPUs with
+ *   bfloat16 instructions take the avx512 variant, and no v4 copy was measured.
  * - avx512: the Q.K dot products with AVX512-BF16's VDPBF16PS, which multiplies bfloat16
  *   pairs exactly and accumulates in float32 (32 products per instruction, no widening).
  *   Compiled for that target alone (a pragma, not a global -march flag), so the build runs
@@ -19,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "isa.h"
 #include "paged_decode_cpu.h"
 
 static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t h) {
@@ -44,19 +46,26 @@ static inline __attribute__((always_inline)) float dot_widened(const float *qs,
     return dot;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PORTABLE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define PORTABLE_CLONES
-#endif
-
-#define DH_NAME(x) x##_bf16_portable
 #define DH_ELEM uint16_t
 #define DH_TO_F32(e) bf16_to_f32(e)
 #define DH_FROM_F32(f) f32_to_bf16(f)
 #define DH_DOT(qs, qe, k, D, scale) dot_widened(qs, k, D)
-#define DH_ATTR PORTABLE_CLONES
+#define DH_NAME(x) x##_bf16_portable
+#define DH_ATTR
 #include "paged_decode_head.h"
+#ifdef HAVE_X86_LEVELS
+#define DH_NAME(x) x##_bf16_portable_v3
+#define DH_ATTR ATTR_X86_64_V3
+#include "paged_decode_head.h"
+#endif
+
+Kernel decode_bf16_portable_level(int isa) {
+#ifdef HAVE_X86_LEVELS
+    if (isa >= ISA_X86_64_V3) return decode_bf16_portable_v3;
+#endif
+    (void)isa;
+    return decode_bf16_portable;
+}
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
 #define HAVE_AVX512_BF16 1
@@ -81,17 +90,20 @@ static inline __attribute__((always_inline)) float dot_dpbf16(const uint16_t *q,
     return _mm512_reduce_add_ps(acc);
 }
 
-#define DH_NAME(x) x##_bf16_avx512
-#define DH_ELEM uint16_t
-#define DH_TO_F32(e) bf16_to_f32(e)
-#define DH_FROM_F32(f) f32_to_bf16(f)
+#undef DH_DOT
 #define DH_DOT(qs, qe, k, D, scale) (dot_dpbf16(qe, k, D) * (scale))
 #define DH_RAW_Q
+#define DH_NAME(x) x##_bf16_avx512
 #define DH_ATTR
 #include "paged_decode_head.h"
+#undef DH_RAW_Q
 
 #pragma GCC pop_options
 #endif
+#undef DH_ELEM
+#undef DH_TO_F32
+#undef DH_FROM_F32
+#undef DH_DOT
 
 int decode_bf16_avx512_usable(void) {
 #ifdef HAVE_AVX512_BF16

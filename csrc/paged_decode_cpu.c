@@ -3,7 +3,8 @@
  * over its whole context, read block by block through its block table. The kernel is written
  * once, in paged_decode_head.h, and instantiated here for float32 and in paged_decode_bf16.c
  * for bfloat16 (float32 arithmetic throughout; AVX512-BF16 dot products where the CPU has
- * them, chosen when the module loads). This file parses, validates and dispatches. The
+ * them), each at several instruction-set levels (isa.h); the launcher names the level and
+ * the variant on every call. This file parses, validates and dispatches. The
  * readable reference is
  * paged_engine.kernels.paged_decode_attention.paged_decode_attention_ref; the launcher that
  * checks shapes, strides and dtypes is paged_engine.kernels.paged_decode_cpu.
@@ -60,34 +61,43 @@
 #include <omp.h>
 #endif
 
+#include "isa.h"
 #include "paged_decode_cpu.h"
 
-/* On x86-64 with GCC, each specialised copy is also built for AVX-512 (x86-64-v4) and
- * AVX2+FMA (x86-64-v3), the best one picked at load time; elsewhere the compiler's
- * baseline is used. With AVX-512 the accumulator rows of a D = 64, G = 2 item fit in
- * registers (8 of 32, where AVX2 would need all 16): the x86-64-v4 copy with G specialised
- * took 0.72-0.74x the time of the v3 copy with G at run time (one-off microbenchmark).
- * The copies sum in different lane orders, so their outputs differ in the last bits
- * between machines; on one machine every call runs the same copy. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
-
-#define DH_NAME(x) x##_f32
-#define DH_ELEM float
-#define DH_TO_F32(e) (e)
-#define DH_FROM_F32(f) (f)
-#define DH_DOT(qs, qe, k, D, scale) dot_f32(qs, k, D)
-#define DH_ATTR CLONES
+/* The float32 copies, one per instruction-set level (isa.h), the launcher's choice. With
+ * AVX-512 the accumulator rows of a D = 64, G = 2 item fit in registers (8 of 32, where
+ * AVX2 would need all 16): the x86-64-v4 copy with G specialised took 0.72-0.74x the time
+ * of the v3 copy with G at run time (one-off microbenchmark). The copies vectorise the
+ * dots in different lane orders, so their outputs differ in the last bits from one level
+ * to the next; a process runs one level unless a caller names another. */
 static inline __attribute__((always_inline)) float dot_f32(const float *q, const float *k,
                                                            int D) {
     float dot = 0.f;
     for (int x = 0; x < D; x++) dot += q[x] * k[x];
     return dot;
 }
+#define DH_ELEM float
+#define DH_TO_F32(e) (e)
+#define DH_FROM_F32(f) (f)
+#define DH_DOT(qs, qe, k, D, scale) dot_f32(qs, k, D)
+#define DH_NAME(x) x##_f32
+#define DH_ATTR
 #include "paged_decode_head.h"
+#ifdef HAVE_X86_LEVELS
+#define DH_NAME(x) x##_f32_v3
+#define DH_ATTR ATTR_X86_64_V3
+#include "paged_decode_head.h"
+#define DH_NAME(x) x##_f32_v4
+#define DH_ATTR ATTR_X86_64_V4
+#include "paged_decode_head.h"
+static const Kernel f32_levels[ISA_LEVELS] = {decode_f32, decode_f32_v3, decode_f32_v4};
+#else
+static const Kernel f32_levels[ISA_LEVELS] = {decode_f32, NULL, NULL};
+#endif
+#undef DH_ELEM
+#undef DH_TO_F32
+#undef DH_FROM_F32
+#undef DH_DOT
 
 /* Every block id a context reads must lie in the pool: checked before any read, so a bad
  * table is an exception, never a stray read. Returns the first bad sequence, or -1. */
@@ -153,27 +163,33 @@ int run_items(const Args *a, ItemFn item) {
     return 1;
 }
 
-typedef int (*Kernel)(const Args *);
-
 enum { BF16_AUTO = 0, BF16_PORTABLE = 1, BF16_AVX512 = 2 };
 static int avx512_usable; /* set once, when the module loads */
 
-/* Parse the launcher's arguments (with `impl`: the bfloat16 variant, last), validate them
- * and run the kernel with the GIL released. */
-static PyObject *run_checked(PyObject *args, const char *format, const char *what,
-                             Kernel kernel, int *impl) {
+/* Parse the launcher's arguments (the instruction-set level, then for bfloat16 `impl`, the
+ * variant, last), validate them and run the chosen copy with the GIL released. */
+static PyObject *run_checked(PyObject *args, const char *format, const char *what, int *impl) {
     unsigned long long q, k, v, tables, lens, out;
     Args a;
+    int isa;
     if (impl == NULL
             ? !PyArg_ParseTuple(args, format, &q, &k, &v, &tables, &lens, &out, &a.q_stride_b,
                                 &a.q_stride_h, &a.out_stride_b, &a.out_stride_h, &a.batch,
                                 &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
-                                &a.table_width, &a.num_blocks, &a.scale, &a.num_threads)
+                                &a.table_width, &a.num_blocks, &a.scale, &a.num_threads, &isa)
             : !PyArg_ParseTuple(args, format, &q, &k, &v, &tables, &lens, &out, &a.q_stride_b,
                                 &a.q_stride_h, &a.out_stride_b, &a.out_stride_h, &a.batch,
                                 &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
-                                &a.table_width, &a.num_blocks, &a.scale, &a.num_threads, impl))
+                                &a.table_width, &a.num_blocks, &a.scale, &a.num_threads, &isa,
+                                impl))
         return NULL;
+    if (isa < 0 || isa >= ISA_LEVELS || f32_levels[isa] == NULL || !isa_usable(isa)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: instruction-set level %d is not built or not run by this CPU", what,
+                     isa);
+        return NULL;
+    }
+    Kernel kernel = f32_levels[isa];
     if (a.kv_heads <= 0 || a.heads % a.kv_heads || a.heads / a.kv_heads > MAX_GROUP ||
         a.head_dim <= 0 || a.head_dim > MAX_DIM || a.block_size <= 0 || a.batch < 0) {
         PyErr_Format(PyExc_ValueError, "%s: unsupported geometry", what);
@@ -212,7 +228,7 @@ static PyObject *run_checked(PyObject *args, const char *format, const char *wha
         if (*impl == BF16_AUTO)
             *impl = avx512_usable && a.head_dim >= 32 ? BF16_AVX512 : BF16_PORTABLE;
         if (*impl == BF16_PORTABLE) {
-            kernel = decode_bf16_portable;
+            kernel = decode_bf16_portable_level(isa);
         } else if (*impl == BF16_AVX512 && avx512_usable) {
             kernel = decode_bf16_avx512;
         } else {
@@ -230,13 +246,13 @@ static PyObject *run_checked(PyObject *args, const char *format, const char *wha
 
 static PyObject *paged_decode_f32(PyObject *self, PyObject *args) {
     (void)self;
-    return run_checked(args, "KKKKKKLLLLiiiiiiifi", "paged_decode_f32", decode_f32, NULL);
+    return run_checked(args, "KKKKKKLLLLiiiiiiifii", "paged_decode_f32", NULL);
 }
 
 static PyObject *paged_decode_bf16(PyObject *self, PyObject *args) {
     (void)self;
     int impl = BF16_AUTO;
-    return run_checked(args, "KKKKKKLLLLiiiiiiifii", "paged_decode_bf16", NULL, &impl);
+    return run_checked(args, "KKKKKKLLLLiiiiiiifiii", "paged_decode_bf16", &impl);
 }
 
 /* The bfloat16 variants this build and CPU run, best first (the one "auto" takes). */
@@ -244,6 +260,13 @@ static PyObject *bf16_variants(PyObject *self, PyObject *noargs) {
     (void)self, (void)noargs;
     return avx512_usable ? Py_BuildValue("(ss)", "avx512bf16", "portable")
                          : Py_BuildValue("(s)", "portable");
+}
+
+static PyObject *isa_levels(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    int built[ISA_LEVELS];
+    for (int isa = 0; isa < ISA_LEVELS; isa++) built[isa] = f32_levels[isa] != NULL;
+    return isa_levels_usable(built);
 }
 
 /* Whether this build has OpenMP (else run_items is single-threaded whatever it is asked). */
@@ -260,13 +283,17 @@ static PyMethodDef methods[] = {
     {"paged_decode_f32", paged_decode_f32, METH_VARARGS,
      "paged_decode_f32(q, k, v, tables, lens, out, q_stride_b, q_stride_h, out_stride_b, "
      "out_stride_h, batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks, "
-     "scale, num_threads): raw addresses and sizes; returns the threads that ran. Use "
+     "scale, num_threads, isa): raw addresses and sizes, isa the instruction-set level's "
+     "code (0 baseline, 1 x86-64-v3, 2 x86-64-v4); returns the threads that ran. Use "
      "paged_engine.kernels.paged_decode_cpu."},
     {"paged_decode_bf16", paged_decode_bf16, METH_VARARGS,
      "paged_decode_bf16(same arguments as paged_decode_f32, then variant: 0 the best, 1 "
      "portable, 2 avx512bf16): bfloat16 q, caches and out."},
     {"bf16_variants", bf16_variants, METH_NOARGS,
      "bf16_variants(): the names of the bfloat16 variants usable here, best first."},
+    {"isa_levels", isa_levels, METH_NOARGS,
+     "isa_levels(): the instruction-set levels this build has and this CPU runs, best "
+     "first."},
     {"threaded", threaded, METH_NOARGS,
      "threaded(): whether this build runs work items in parallel (OpenMP)."},
     {NULL, NULL, 0, NULL},

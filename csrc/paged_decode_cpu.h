@@ -37,11 +37,14 @@ typedef void (*ItemFn)(const Args *a, int b, int kh);
  * built in (paged_decode_cpu.c). Returns the number of threads that ran. */
 int run_items(const Args *a, ItemFn item);
 
-/* Each variant's entry point returns run_items' thread count. */
-int decode_f32(const Args *a);           /* paged_decode_cpu.c */
-int decode_bf16_portable(const Args *a); /* paged_decode_bf16.c */
-/* AVX512-BF16 dot products (paged_decode_bf16.c): 1 when this build has the variant and
- * this CPU runs it, else 0 (then decode_bf16_avx512 must not be called). */
+/* A copy's entry point: returns run_items' thread count. */
+typedef int (*Kernel)(const Args *a);
+
+/* paged_decode_bf16.c. The portable bfloat16 copy for instruction-set level `isa` (isa.h):
+ * the best one this build has at or below it (the portable copies stop at x86-64-v3). */
+Kernel decode_bf16_portable_level(int isa);
+/* AVX512-BF16 dot products: 1 when this build has the variant and this CPU runs it, else 0
+ * (then decode_bf16_avx512 must not be called). */
 int decode_bf16_avx512_usable(void);
 int decode_bf16_avx512(const Args *a);
 

@@ -1,7 +1,9 @@
 /*
  * The decode kernel, written once and instantiated per element type and instruction set
- * (C's generics: this file has no include guard and is included once per variant, with the
- * macros below defined; it undefines them at the end).
+ * (C's generics: this file has no include guard and is included once per copy, with the
+ * macros below defined). It undefines DH_NAME and DH_ATTR at the end; the element macros
+ * stay, so that a file instantiates one element type at several levels (isa.h) and
+ * undefines them itself.
  *
  *   DH_NAME(x)      the variant's name for x (decode_head_f32, decode_bf16_avx512, ...)
  *   DH_ELEM         the element type of q, K, V and out (float, or uint16_t bfloat16 bits)
@@ -10,7 +12,7 @@
  *   DH_DOT(qs, qe, k, D, scale)  one query head's score against one K row, in float32:
  *                   qs is the head as floats times scale, qe the head's elements (unscaled,
  *                   so the dot must apply scale itself), k the K row's elements
- *   DH_ATTR         attributes of the specialised copies (target_clones, or nothing)
+ *   DH_ATTR         attributes of the specialised copies (a level's target, or nothing)
  *   DH_RAW_Q        defined when DH_DOT reads qe (a copy of q's elements on the stack)
  *
  * Precision, every variant: q and K/V are read as given, every product, the scores, the
@@ -143,9 +145,4 @@ int DH_NAME(decode)(const Args *a) {
 #undef DH_PICK
 
 #undef DH_NAME
-#undef DH_ELEM
-#undef DH_TO_F32
-#undef DH_FROM_F32
-#undef DH_DOT
 #undef DH_ATTR
-#undef DH_RAW_Q

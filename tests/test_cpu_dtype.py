@@ -7,17 +7,21 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from paged_engine import LLM
+from paged_engine import LLM, platform
 from paged_engine.kernels.paged_decode_cpu import auto_cpu_dtype, cpu_bf16_features
 from paged_engine.worker.devices import resolve_dtype
 
 CPU = torch.device("cpu")
 BOTH = ("amx_bf16", "avx512_bf16")
+_CAPS = torch.cpu.get_capabilities()
+FAST_BF16 = bool(_CAPS.get("amx_bf16")) or bool(_CAPS.get("avx512_bf16"))
+"""Whether torch's probe (the cpuinfo library) finds AMX-BF16 or AVX512-BF16 here."""
 
 
 def cpuinfo(tmp_path: Path, flags: str | None) -> Path:
@@ -42,11 +46,25 @@ def cpuinfo(tmp_path: Path, flags: str | None) -> Path:
 def test_features_are_read_from_cpuinfo_flags(
     tmp_path: Path, flags: str | None, expected: tuple[str, ...]
 ) -> None:
-    assert cpu_bf16_features(cpuinfo(tmp_path, flags)) == expected
+    assert platform.read_cpu_info(cpuinfo(tmp_path, flags)).bf16_features == expected
 
 
 def test_an_unreadable_cpuinfo_means_no_features(tmp_path: Path) -> None:
-    assert cpu_bf16_features(tmp_path / "missing") == ()
+    assert platform.read_cpu_info(tmp_path / "missing").bf16_features == ()
+
+
+def test_this_cpus_features_agree_with_torchs_probe() -> None:
+    assert bool(cpu_bf16_features()) == FAST_BF16, (cpu_bf16_features(), dict(_CAPS))
+
+
+def test_the_auto_rule_reads_the_platform_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU reported with AVX512-BF16 (forced here) gets bfloat16 for a 16-bit checkpoint,
+    one reported without it float32, whatever this machine has."""
+    cpu = platform.cpu_info()
+    for flags, expected in [({"avx512_bf16"}, torch.bfloat16), (set(), torch.float32)]:
+        told = replace(cpu, flags=(cpu.flags - {"avx512_bf16", "amx_bf16"}) | flags)
+        monkeypatch.setattr(platform, "cpu_info", lambda told=told: told)
+        assert resolve_dtype("auto", CPU, "bfloat16") == expected
 
 
 @pytest.mark.parametrize(
@@ -71,10 +89,9 @@ def test_the_auto_rule(
 def test_resolve_dtype_follows_this_cpu_and_logs_its_choice(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fast = bool(cpu_bf16_features())
     with caplog.at_level(logging.INFO, logger="paged_engine"):
         got = resolve_dtype("auto", CPU, "bfloat16")
-    assert got == (torch.bfloat16 if fast else torch.float32)
+    assert got == (torch.bfloat16 if FAST_BF16 else torch.float32)
     assert f"dtype 'auto' chose {str(got).removeprefix('torch.')}" in caplog.text
     assert resolve_dtype("auto", CPU, torch.float32) == torch.float32
     assert resolve_dtype("auto", CPU, None) == torch.float32
@@ -100,8 +117,7 @@ def test_a_bfloat16_checkpoint_runs_bfloat16_on_the_cpu_kernel(
     config["dtype"] = "bfloat16"
     (model / "config.json").write_text(json.dumps(config))
     llm = LLM(model, num_kvcache_blocks=16, max_model_len=64)
-    fast = bool(cpu_bf16_features())
-    assert llm.model_runner.dtype == (torch.bfloat16 if fast else torch.float32)
+    assert llm.model_runner.dtype == (torch.bfloat16 if FAST_BF16 else torch.float32)
     assert llm.model_runner.backend.name == "cpu"  # the kernel takes either
     out = llm.generate([[5, 6, 7, 8]], use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) > 0

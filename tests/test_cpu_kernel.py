@@ -4,7 +4,9 @@
 The kernel against ``paged_decode_attention_ref`` on the layouts tests/kernel_cases.py holds
 for the Triton kernels (NaN outside every context, shared prefix blocks, lengths off block
 edges, GQA, strided queries) and on drawn ones, every head-dim specialisation included;
-its refusals (each leaves ``out`` untouched); its mutants; and the backend's routing. The
+its refusals (each leaves ``out`` untouched); its mutants; and the backend's routing. Every
+instruction-set level this CPU runs (``isa_levels``: the baseline copy and, on x86-64, the
+x86-64-v3/v4 ones) is held to the reference, whichever the launcher would pick. The
 attention machine (tests/test_attention_machine.py) and tests/test_e2e.py run it through
 the engine.
 """
@@ -12,6 +14,7 @@ the engine.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,7 +22,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_engine.kernels.paged_decode_cpu import cpu_kernels_problem, paged_decode_attention_cpu
+from paged_engine import platform
+from paged_engine.kernels import paged_decode_cpu
+from paged_engine.kernels.paged_decode_cpu import (
+    ISA_CODES,
+    check_paged_decode_cpu,
+    cpu_kernels_problem,
+    isa_levels,
+    kernel_threads,
+    paged_decode_attention_cpu,
+)
 from paged_engine.layers.attention import (
     TorchAttentionBackend,
     get_attention_backend,
@@ -40,6 +52,8 @@ from tests.kernel_cases import (
 from tests.kernel_mutants import CPU_MUTANTS, CpuKernelMutant
 
 CPU = torch.device("cpu")
+LEVELS = isa_levels()
+each_level = pytest.mark.parametrize("isa", LEVELS)
 
 
 def test_the_extension_is_built() -> None:
@@ -48,17 +62,21 @@ def test_the_extension_is_built() -> None:
     assert cpu_kernels_problem() is None, cpu_kernels_problem()
 
 
+@each_level
 @pytest.mark.parametrize("case", DECODE_CASES, ids=cpu_id)
-def test_matches_ref_on_the_triton_kernels_layouts(case: Case) -> None:
+def test_matches_ref_on_the_triton_kernels_layouts(case: Case, isa: str) -> None:
     t = make_tensors(case, CPU)
-    assert_close(run_decode(t, paged_decode_attention_cpu), ref_decode(t))
+    assert_close(run_decode(t, paged_decode_attention_cpu, isa=isa), ref_decode(t))
 
 
+@each_level
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
 @pytest.mark.parametrize("head_dim", [16, 24, 32, 64, 128, 256])
-def test_every_head_dim_specialisation(head_dim: int) -> None:
-    # 16, 32, 64 and 128 have their own compiled copies; 24 and 256 take the generic one.
-    t = make_tensors(decode_case((45, 3, 16, 17), head_dim=head_dim, group=3), CPU)
-    assert_close(run_decode(t, paged_decode_attention_cpu), ref_decode(t))
+def test_every_head_dim_specialisation(head_dim: int, group: int, isa: str) -> None:
+    # 16, 32, 64 and 128 have their own compiled copies, and within them groups of 1, 2
+    # and 4; 24 and 256 (and a group of 3) take the generic ones.
+    t = make_tensors(decode_case((45, 3, 16, 17), head_dim=head_dim, group=group), CPU)
+    assert_close(run_decode(t, paged_decode_attention_cpu, isa=isa), ref_decode(t))
 
 
 @st.composite
@@ -77,10 +95,49 @@ def cpu_cases(draw: st.DrawFn) -> Case:
 
 
 @settings(max_examples=60, deadline=None)
-@given(cpu_cases())
-def test_matches_ref_on_drawn_layouts(case: Case) -> None:
+@given(cpu_cases(), st.sampled_from(LEVELS))
+def test_matches_ref_on_drawn_layouts(case: Case, isa: str) -> None:
     t = make_tensors(case, CPU)
-    assert_close(run_decode(t, paged_decode_attention_cpu), ref_decode(t))
+    assert_close(run_decode(t, paged_decode_attention_cpu, isa=isa), ref_decode(t))
+
+
+# ---- instruction-set levels ----------------------------------------------------------------
+
+
+def test_auto_takes_the_best_level_the_platform_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_tensors(decode_case((5, 20)), CPU)
+    args = (t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens)
+    assert LEVELS[-1] == "baseline"
+    assert check_paged_decode_cpu(*args).isa == ISA_CODES[LEVELS[0]]
+    # A platform reporting no flags (an older CPU, forced): the baseline copy, same answer.
+    bare = replace(platform.cpu_info(), flags=frozenset())
+    monkeypatch.setattr(platform, "cpu_info", lambda: bare)
+    assert isa_levels() == ("baseline",)
+    launch = check_paged_decode_cpu(*args)
+    assert launch.isa == ISA_CODES["baseline"]
+    out = torch.empty_like(t.query)
+    kernel_threads(launch, *args, t.scale, out)
+    assert_close(out, ref_decode(t))
+    with pytest.raises(ValueError, match="isa 'x86-64-v3' is not available here"):
+        check_paged_decode_cpu(*args, isa="x86-64-v3")
+
+
+def test_a_level_that_does_not_run_here_is_refused_before_writing() -> None:
+    t = make_tensors(decode_case((5, 20)), CPU)
+    args = (t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens)
+    out = torch.full_like(t.query, 7.0)
+    with pytest.raises(ValueError, match="isa 'x86-64-v9' is not available here"):
+        paged_decode_attention_cpu(*args, t.scale, out, isa="x86-64-v9")
+    # The C entry point refuses a level too (a bad code, or one this build or CPU lacks:
+    # the launcher never passes one), before reading anything.
+    module = paged_decode_cpu._MODULE
+    assert module is not None
+    missing = [c for n, c in ISA_CODES.items() if n not in module.isa_levels()]
+    for code in (-1, 3, *missing):
+        launch = replace(check_paged_decode_cpu(*args), isa=code)
+        with pytest.raises(ValueError, match=f"instruction-set level {code} is not built"):
+            kernel_threads(launch, *args, t.scale, out)
+    assert bool((out == 7.0).all()), "a refused launch wrote to out"
 
 
 def test_zero_length_context_gives_zeros_and_fills_out() -> None:

@@ -1,5 +1,7 @@
-"""The compiled CPU decode kernel in bfloat16: both variants, their refusals, their mutants,
-and the "cpu" backend's once-per-step checks.
+"""The compiled CPU decode kernel in bfloat16: both variants (the portable one at every
+instruction-set level this CPU runs), their refusals, their mutants, and the "cpu"
+backend's once-per-step checks. The AVX512-BF16 variant's tests skip where torch's own
+probe (``torch.cpu.get_capabilities``) says the CPU lacks what it executes.
 
 The precision contract (csrc/paged_decode_head.h): q and K/V are read as bfloat16, every
 product, the softmax and the accumulator are float32, and the output is rounded once. So the
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -22,8 +23,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged_engine import platform
 from paged_engine.kernels import paged_decode_cpu
-from paged_engine.kernels.paged_decode_cpu import bf16_variants, paged_decode_attention_cpu
+from paged_engine.kernels.paged_decode_cpu import (
+    bf16_variants,
+    check_paged_decode_cpu,
+    isa_levels,
+    paged_decode_attention_cpu,
+)
 from paged_engine.kernels.paged_decode_cpu_ref import paged_decode_cpu_ref
 from paged_engine.kernels.reference import paged_decode_attention_ref
 from paged_engine.layers.attention import cpu as cpu_module
@@ -39,28 +46,25 @@ ONE_ROUNDING = {"atol": 1e-5, "rtol": 2**-8 + 1e-5}
 VARIANTS = ("portable", "avx512bf16")
 
 
-def _cpu_flags() -> set[str] | None:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return None
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return None
-
-
-FLAGS = _cpu_flags()
-HAS_AVX512_BF16 = FLAGS is not None and {"avx512_bf16", "avx512bw", "avx512vl"} <= FLAGS
+# What torch's probe (the cpuinfo library: CPUID and the OS's state) says, not ours.
+_CAPS = torch.cpu.get_capabilities()
+HAS_AVX512_BF16 = all(bool(_CAPS.get(f)) for f in ("avx512_bf16", "avx512_bw", "avx512_vl"))
+NO_AVX512_BF16 = (
+    "torch.cpu.get_capabilities() has no avx512_bf16, avx512_bw and avx512_vl here "
+    f"(capability {torch.backends.cpu.get_cpu_capability()})"
+)
 
 
 def variant_param(name: str) -> Any:
     marks = []
     if name == "avx512bf16" and not HAS_AVX512_BF16:
-        marks.append(pytest.mark.skip(reason="this CPU has no AVX512-BF16"))
+        marks.append(pytest.mark.skip(reason=NO_AVX512_BF16))
     return pytest.param(name, marks=marks, id=name)
 
 
 variants = pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+LEVELS = isa_levels()
+each_level = pytest.mark.parametrize("isa", LEVELS)
 
 
 def bf16(case: Case) -> Tensors:
@@ -73,11 +77,15 @@ def exact(t: Tensors) -> torch.Tensor:
     return paged_decode_attention_ref(*up, t.block_tables, t.seq_lens, t.scale)
 
 
-def launch(t: Tensors, variant: str, fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+def launch(
+    t: Tensors,
+    variant: str,
+    fn: Callable[..., torch.Tensor] | None = None,
+    isa: str = "auto",
+) -> torch.Tensor:
     fn = fn or paged_decode_attention_cpu
-    return fn(
-        t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens, t.scale, bf16_variant=variant
-    )
+    args = (t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens, t.scale)
+    return fn(*args, bf16_variant=variant, isa=isa)
 
 
 def assert_one_rounding(out: torch.Tensor, t: Tensors) -> None:
@@ -86,13 +94,30 @@ def assert_one_rounding(out: torch.Tensor, t: Tensors) -> None:
     torch.testing.assert_close(out.float(), exact(t), **ONE_ROUNDING)
 
 
-def test_the_load_time_choice_follows_the_cpu() -> None:
-    """AVX512-BF16 is used exactly where /proc/cpuinfo says the CPU has it; the portable
+def test_the_variants_follow_the_cpu() -> None:
+    """AVX512-BF16 is offered exactly where torch's probe says the CPU has it; the portable
     variant is always there, last."""
-    if FLAGS is None:
-        pytest.skip("no /proc/cpuinfo to check the choice against")
     expected = ("avx512bf16", "portable") if HAS_AVX512_BF16 else ("portable",)
     assert bf16_variants() == expected
+
+
+def test_auto_follows_the_platform_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "auto" takes avx512bf16 where ``bf16_variants`` has it and the head dim is 32 or
+    more, else portable; a platform that reports no AVX512-BF16 (forced here, so CPUs that
+    have it test the fallback too) leaves the portable variant only."""
+    t = bf16(DECODE_CASES[1])
+    args = (t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens)
+    code = paged_decode_cpu.BF16_VARIANTS
+    best = "avx512bf16" if HAS_AVX512_BF16 and t.query.shape[2] >= 32 else "portable"
+    assert check_paged_decode_cpu(*args).bf16_variant == code[best]
+    flags = platform.cpu_info().flags - {"avx512_bf16"}
+    without = replace(platform.cpu_info(), flags=flags)
+    monkeypatch.setattr(platform, "cpu_info", lambda: without)
+    assert bf16_variants() == ("portable",)
+    assert check_paged_decode_cpu(*args).bf16_variant == code["portable"]
+    assert_one_rounding(launch(t, "auto"), t)
+    with pytest.raises(ValueError, match="'avx512bf16' is not available here"):
+        launch(t, "avx512bf16")
 
 
 @variants
@@ -102,6 +127,13 @@ def test_matches_ref_on_the_triton_kernels_layouts(case: Case, variant: str) -> 
     assert_one_rounding(launch(t, variant), t)
 
 
+@each_level
+@pytest.mark.parametrize("case", DECODE_CASES, ids=cpu_id)
+def test_the_portable_variant_at_every_level(case: Case, isa: str) -> None:
+    t = bf16(case)
+    assert_one_rounding(launch(t, "portable", isa=isa), t)
+
+
 @variants
 @pytest.mark.parametrize("head_dim", [16, 20, 24, 32, 48, 64, 128, 256])
 def test_every_head_dim(head_dim: int, variant: str) -> None:
@@ -109,6 +141,9 @@ def test_every_head_dim(head_dim: int, variant: str) -> None:
     # variant a masked tail (20, 48: not a multiple of 32).
     t = bf16(decode_case((45, 3, 16, 17), head_dim=head_dim, group=3))
     assert_one_rounding(launch(t, variant), t)
+    if variant == "portable":
+        for isa in LEVELS:
+            assert_one_rounding(launch(t, variant, isa=isa), t)
 
 
 @settings(max_examples=40, deadline=None)
@@ -126,7 +161,9 @@ def test_matches_ref_on_drawn_layouts(data: st.DataObject) -> None:
         share_blocks=data.draw(st.booleans()),
     )
     t = bf16(case)
-    assert_one_rounding(launch(t, data.draw(st.sampled_from(bf16_variants()))), t)
+    variant = data.draw(st.sampled_from(bf16_variants()))
+    isa = data.draw(st.sampled_from(LEVELS)) if variant == "portable" else "auto"
+    assert_one_rounding(launch(t, variant, isa=isa), t)
 
 
 def test_large_scores_and_a_zero_length_context() -> None:
@@ -288,13 +325,26 @@ def test_the_algorithm_reference_agrees_with_both(case: Case) -> None:
 
 def test_a_build_without_avx512_bf16_has_the_portable_variant_only() -> None:
     """The sources compiled down the path every compiler but GCC on x86-64 takes (here GCC
-    told it is clang: no target_clones, no AVX512-BF16 pragma): the module builds, offers
-    "portable" only, refuses "avx512bf16", and computes the same attention."""
+    told it is clang; aarch64 takes it too: no x86 levels, no AVX512-BF16 pragma): the
+    module builds, offers "portable" at the baseline level only, refuses "avx512bf16" and
+    the x86 levels, and computes the same attention."""
     module = build_c_mutant("as_clang", "paged_decode_head.h", (), ("-D__clang__",))
     assert module.bf16_variants() == ("portable",)
+    assert module.isa_levels() == ("baseline",)
     t = bf16(DECODE_CASES[1])
+    t32 = make_tensors(DECODE_CASES[1], CPU)
+    args32 = (t32.query, t32.k_cache, t32.v_cache, t32.block_tables, t32.seq_lens, t32.scale)
     with mock.patch.object(paged_decode_cpu, "_MODULE", module):
+        assert isa_levels() == ("baseline",)
         assert_one_rounding(launch(t, "auto"), t)
         assert_one_rounding(launch(t, "portable"), t)
+        torch.testing.assert_close(
+            paged_decode_attention_cpu(*args32),
+            paged_decode_attention_ref(*args32),
+            atol=1e-5,
+            rtol=1e-5,
+        )
         with pytest.raises(ValueError, match="'avx512bf16' is not available here"):
             launch(t, "avx512bf16")
+        with pytest.raises(ValueError, match="isa 'x86-64-v3' is not available here"):
+            launch(t, "portable", isa="x86-64-v3")

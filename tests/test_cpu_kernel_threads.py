@@ -94,6 +94,25 @@ def test_the_same_bits_at_every_thread_count(name: str, variant: str | None) -> 
             assert torch.equal(got, one), f"{threads} threads differ from 1 in some bit"
 
 
+@pytest.mark.parametrize("isa", paged_decode_cpu.isa_levels())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_level_gives_the_same_bits_at_every_thread_count(
+    isa: str, dtype: torch.dtype
+) -> None:
+    """Each instruction-set level's copies run through the same item driver."""
+    t = make_tensors(replace(CASES["ragged-gqa"], dtype=dtype), CPU)
+    args = (t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens)
+    variant = "portable" if dtype == torch.bfloat16 else "auto"
+    outs = []
+    for threads in (1, 3):
+        launch = check_paged_decode_cpu(*args, bf16_variant=variant, num_threads=threads, isa=isa)
+        out = torch.full_like(t.query, float("nan"))
+        assert kernel_threads(launch, *args, t.scale, out) == threads
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_matches_reference(outs[0], t, None if dtype == torch.float32 else variant)
+
+
 def test_fewer_items_than_threads_use_fewer_threads() -> None:
     for seqs, kv_heads, want in [((40,), 1, 1), ((40,), 2, 2), ((40, 7), 1, 2), ((9, 40), 2, 4)]:
         t = materialise(decode_case(seqs, num_kv_heads=kv_heads), None)

@@ -1,7 +1,7 @@
 """The CPU decode kernel's threads, as built: patched copies of the C driver
 (``run_items``) that tests/test_cpu_kernel_threads.py's checks must catch, the sources
-built without OpenMP (one thread, the same bits), and setup.py dropping ``-fopenmp`` only
-where the toolchain refuses it.
+built without OpenMP (one thread, the same bits), and setup.py dropping ``-fopenmp`` and
+libmvec only where the toolchain refuses them.
 """
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ def test_a_build_without_openmp_runs_one_thread_with_the_same_bits() -> None:
 
 class _Compiler:
     """A stand-in for distutils' compiler: records what it is asked, refuses ``-fopenmp``
-    when ``openmp`` is False."""
+    when ``openmp`` is False and linking libmvec when ``mvec`` is False."""
 
-    def __init__(self, openmp: bool) -> None:
-        self.openmp = openmp
+    def __init__(self, openmp: bool, mvec: bool) -> None:
+        self.openmp, self.mvec = openmp, mvec
         self.asked: list[str] = []
 
     def compile(self, sources: list[str], **kw: Any) -> list[str]:
@@ -131,25 +131,38 @@ class _Compiler:
 
     def link_executable(self, objects: list[str], name: str, **kw: Any) -> None:
         self.asked.append("link")
+        if not self.mvec and "mvec" in kw.get("libraries", []):
+            raise OSError("cannot find -lmvec")
 
 
+@pytest.mark.parametrize("mvec", [True, False], ids=["with-mvec", "without-mvec"])
 @pytest.mark.parametrize("openmp", [True, False], ids=["with-openmp", "without-openmp"])
-def test_setup_drops_openmp_only_where_the_toolchain_refuses_it(openmp: bool) -> None:
+def test_setup_drops_only_what_the_toolchain_refuses(openmp: bool, mvec: bool) -> None:
+    """OpenMP where ``-fopenmp`` does not compile or link; libmvec where it does not link
+    (aarch64 before glibc 2.38 has none): the extension still builds, nothing else is
+    dropped."""
     seen: dict[str, Any] = {}
     with mock.patch("setuptools.setup", lambda **kw: seen.update(kw)):
         runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
     (ext,) = seen["ext_modules"]
     assert "-fopenmp" in ext.extra_compile_args and "-fopenmp" in ext.extra_link_args
-    before = (list(ext.extra_compile_args), list(ext.extra_link_args))
+    assert "mvec" in ext.libraries
+    before = (list(ext.extra_compile_args), list(ext.extra_link_args), list(ext.libraries))
     cmd = seen["cmdclass"]["build_ext"](Distribution({"ext_modules": [ext]}))
-    cmd.extensions, cmd.compiler = [ext], _Compiler(openmp)
+    cmd.extensions, cmd.compiler = [ext], _Compiler(openmp, mvec)
     parent = type(cmd).__mro__[1]
     with mock.patch.object(parent, "build_extensions", lambda self: None):
         cmd.build_extensions()
     if openmp:
-        assert (ext.extra_compile_args, ext.extra_link_args) == before
+        assert (ext.extra_compile_args, ext.extra_link_args) == before[:2]
     else:
         assert ext.extra_compile_args == [a for a in before[0] if a != "-fopenmp"]
         assert ext.extra_link_args == [a for a in before[1] if a != "-fopenmp"]
         assert "-O3" in ext.extra_compile_args  # nothing else dropped
-    assert cmd.compiler.asked == (["compile", "link"] if openmp else ["compile"])
+    assert ext.libraries == (before[2] if mvec else [lib for lib in before[2] if lib != "mvec"])
+    assert "m" in ext.libraries
+    # the OpenMP probe links only where it compiled; the libmvec probe always compiles
+    assert cmd.compiler.asked == (["compile", "link"] if openmp else ["compile"]) + [
+        "compile",
+        "link",
+    ]

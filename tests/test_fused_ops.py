@@ -4,12 +4,15 @@ readable references (kernels/fused_ops_ref.py), and the layer modules that call 
 The norms and the rotation must equal the references bit for bit in float32 and bfloat16
 (so the model's float32 logits stay transformers'); the activation must be within 1e-6
 relative (about 8 float32 ulps) in float32 and one bfloat16 rounding step (2**-6 relative,
-99% of elements bit for bit) in bfloat16. tests/fused_mutants.py's mutants must each fail
-the same check the real kernel passes.
+99% of elements bit for bit) in bfloat16. Every instruction-set level this CPU runs
+(``fused_ops_cpu.isa_levels``: the baseline copy and, on x86-64, the x86-64-v3/v4 ones) is
+held to the same checks, whichever the launcher would pick. tests/fused_mutants.py's
+mutants must each fail the same check the real kernel passes.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 from unittest import mock
 
@@ -19,11 +22,13 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from paged_engine import platform
 from paged_engine.kernels import fused_ops_cpu
 from paged_engine.kernels.fused_ops_cpu import (
     MAX_COLS,
     add_rms_norm_cpu,
     fused_ops_problem,
+    isa_levels,
     qk_norm_rope_cpu_,
     silu_and_mul_cpu,
     torch_sum_lanes,
@@ -41,6 +46,10 @@ from tests.fused_mutants import MUTANTS, FusedMutant
 
 F32, BF16 = torch.float32, torch.bfloat16
 EPS = 1e-6
+LEVELS = isa_levels()
+"""The compiled levels this CPU runs (at least the baseline; empty without the kernels,
+which the first test fails on)."""
+each_level = pytest.mark.parametrize("isa", LEVELS)
 
 
 def test_the_kernels_are_built_and_torch_sum_order_is_known() -> None:
@@ -65,12 +74,20 @@ def norm_inputs(
     return x, res, weight
 
 
-def check_norm(rows: int, n: int, residual: bool, dtype: torch.dtype, strided: bool, seed: int):
+def check_norm(
+    rows: int,
+    n: int,
+    residual: bool,
+    dtype: torch.dtype,
+    strided: bool,
+    seed: int,
+    isa: str | None = None,
+):
     x, res, weight = norm_inputs(rows, n, residual, dtype, strided, seed)
     before = (x.clone(), None if res is None else res.clone())
-    got, got_sum = add_rms_norm_cpu(x, res, weight, EPS)
+    got, got_sum = add_rms_norm_cpu(x, res, weight, EPS, isa=isa)
     want, want_sum = add_rms_norm_ref(x, res, weight, EPS)
-    assert torch.equal(got, want), f"norm differs: {rows}x{n} {dtype} residual={residual}"
+    assert torch.equal(got, want), f"norm differs: {rows}x{n} {dtype} res={residual} {isa}"
     assert (got_sum is None) == (res is None)
     if got_sum is not None:
         assert torch.equal(got_sum, want_sum), "residual sum differs"
@@ -89,9 +106,10 @@ NORM_CASES = [
 ]
 
 
+@each_level
 @pytest.mark.parametrize("case", NORM_CASES, ids=str)
-def test_add_rms_norm_matches_reference_bitwise(case: tuple[Any, ...]) -> None:
-    check_norm(*case)
+def test_add_rms_norm_matches_reference_bitwise(case: tuple[Any, ...], isa: str) -> None:
+    check_norm(*case, isa=isa)
 
 
 @given(
@@ -101,15 +119,26 @@ def test_add_rms_norm_matches_reference_bitwise(case: tuple[Any, ...]) -> None:
     dtype=st.sampled_from([F32, BF16]),
     strided=st.booleans(),
     seed=st.integers(0, 2**16),
+    isa=st.sampled_from(LEVELS),
 )
-def test_add_rms_norm_is_bitwise_for_any_shape(rows, n, residual, dtype, strided, seed) -> None:
-    check_norm(rows, n, residual, dtype, strided, seed)
+def test_add_rms_norm_is_bitwise_for_any_shape(
+    rows, n, residual, dtype, strided, seed, isa
+) -> None:
+    check_norm(rows, n, residual, dtype, strided, seed, isa)
 
 
 # ----------------------------------------------------------------------- q/k norm + rope
 
 
-def check_qk(tokens: int, q_heads: int, k_heads: int, d: int, dtype: torch.dtype, seed: int):
+def check_qk(
+    tokens: int,
+    q_heads: int,
+    k_heads: int,
+    d: int,
+    dtype: torch.dtype,
+    seed: int,
+    isa: str | None = None,
+):
     gen = torch.Generator().manual_seed(seed)
     qkv = (torch.randn(tokens, (q_heads + 2 * k_heads) * d, generator=gen) * 3).to(dtype)
     qk = qkv[:, : (q_heads + k_heads) * d].view(tokens, q_heads + k_heads, d)
@@ -121,18 +150,19 @@ def check_qk(tokens: int, q_heads: int, k_heads: int, d: int, dtype: torch.dtype
     cos, sin = rotary.cos_sin(positions, dtype)
     want = qk_norm_rope_ref(qk, wq, wk, q_heads, EPS, cos, sin)
     cos2, signed_sin = rotary.cos_signed_sin(positions, dtype)
-    got = qk_norm_rope_cpu_(qk, wq, wk, q_heads, EPS, cos2, signed_sin)
+    got = qk_norm_rope_cpu_(qk, wq, wk, q_heads, EPS, cos2, signed_sin, isa=isa)
     assert got.data_ptr() == qk.data_ptr(), "not in place"
-    assert torch.equal(qk, want), f"q/k differ: {tokens}x({q_heads}+{k_heads})x{d} {dtype}"
+    assert torch.equal(qk, want), f"q/k differ: {tokens}x({q_heads}+{k_heads})x{d} {dtype} {isa}"
     assert torch.equal(qkv[:, (q_heads + k_heads) * d :], v_before), "v was written"
 
 
 QK_CASES = [(9, 8, 4, 64, F32, 0), (5, 4, 2, 128, BF16, 1), (3, 2, 1, 6, F32, 2)]
 
 
+@each_level
 @pytest.mark.parametrize("case", QK_CASES, ids=str)
-def test_qk_norm_rope_matches_reference_bitwise(case: tuple[Any, ...]) -> None:
-    check_qk(*case)
+def test_qk_norm_rope_matches_reference_bitwise(case: tuple[Any, ...], isa: str) -> None:
+    check_qk(*case, isa=isa)
 
 
 @given(
@@ -142,9 +172,12 @@ def test_qk_norm_rope_matches_reference_bitwise(case: tuple[Any, ...]) -> None:
     d=st.sampled_from([2, 6, 16, 24, 64, 128, 256]),
     dtype=st.sampled_from([F32, BF16]),
     seed=st.integers(0, 2**16),
+    isa=st.sampled_from(LEVELS),
 )
-def test_qk_norm_rope_is_bitwise_for_any_shape(tokens, q_heads, k_heads, d, dtype, seed) -> None:
-    check_qk(tokens, q_heads, k_heads, d, dtype, seed)
+def test_qk_norm_rope_is_bitwise_for_any_shape(
+    tokens, q_heads, k_heads, d, dtype, seed, isa
+) -> None:
+    check_qk(tokens, q_heads, k_heads, d, dtype, seed, isa)
 
 
 def test_the_reference_is_the_torch_path_the_gpu_runs() -> None:
@@ -167,10 +200,12 @@ def test_the_reference_is_the_torch_path_the_gpu_runs() -> None:
 # ---------------------------------------------------------------------------- silu * up
 
 
-def check_silu(rows: int, d: int, dtype: torch.dtype, scale: float, seed: int) -> None:
+def check_silu(
+    rows: int, d: int, dtype: torch.dtype, scale: float, seed: int, isa: str | None = None
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, 2 * d, generator=gen) * scale).to(dtype)
-    got, want = silu_and_mul_cpu(x), silu_and_mul_ref(x)
+    got, want = silu_and_mul_cpu(x, isa=isa), silu_and_mul_ref(x)
     assert got.shape == want.shape and got.dtype == want.dtype
     if dtype == F32:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
@@ -188,9 +223,10 @@ def check_silu(rows: int, d: int, dtype: torch.dtype, scale: float, seed: int) -
 SILU_CASES = [(33, 1792, F32, 4.0, 0), (33, 1792, BF16, 4.0, 1), (5, 3, F32, 1.0, 2)]
 
 
+@each_level
 @pytest.mark.parametrize("case", SILU_CASES, ids=str)
-def test_silu_and_mul_is_close_to_reference(case: tuple[Any, ...]) -> None:
-    check_silu(*case)
+def test_silu_and_mul_is_close_to_reference(case: tuple[Any, ...], isa: str) -> None:
+    check_silu(*case, isa=isa)
 
 
 @given(
@@ -199,16 +235,64 @@ def test_silu_and_mul_is_close_to_reference(case: tuple[Any, ...]) -> None:
     dtype=st.sampled_from([F32, BF16]),
     scale=st.sampled_from([0.1, 1.0, 8.0, 30.0]),
     seed=st.integers(0, 2**16),
+    isa=st.sampled_from(LEVELS),
 )
-def test_silu_and_mul_is_close_for_any_shape(rows, d, dtype, scale, seed) -> None:
-    check_silu(rows, d, dtype, scale, seed)
+def test_silu_and_mul_is_close_for_any_shape(rows, d, dtype, scale, seed, isa) -> None:
+    check_silu(rows, d, dtype, scale, seed, isa)
 
 
-def test_silu_of_very_negative_gates_is_zero_not_nan() -> None:
+@each_level
+def test_silu_of_very_negative_gates_is_zero_not_nan(isa: str) -> None:
     # fast-math's reciprocal of an infinite 1 + exp(-g) would be NaN (csrc/fused_ops.c).
     x = torch.tensor([[-1e4, -200.0, -89.0, 5.0, 1.0, 1.0, 2.0, 3.0]])
-    got = silu_and_mul_cpu(x)
+    got = silu_and_mul_cpu(x, isa=isa)
     assert bool(torch.isfinite(got).all()) and bool((got[0, :3].abs() < 1e-30).all())
+
+
+# --------------------------------------------------------------- instruction-set levels
+
+
+def test_the_calls_run_the_best_level_the_platform_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``isa``, each op runs the first of ``isa_levels()``; a platform that reports
+    fewer flags (an older CPU, forced here) moves every op down to what it allows."""
+    seen: list[int] = []
+    real = fused_ops_cpu._MODULE
+
+    class Levels:
+        def __getattr__(self, name: str) -> Any:
+            def call(*args: Any) -> Any:
+                if name != "isa_levels":
+                    seen.append(args[-1])
+                return getattr(real, name)(*args)
+
+            return call
+
+    monkeypatch.setattr(fused_ops_cpu, "_MODULE", Levels())
+    x = torch.randn(3, 2, 16)
+    silu_and_mul_cpu(x)
+    add_rms_norm_cpu(x, x, torch.ones(16), EPS)
+    assert seen == [fused_ops_cpu.ISA_CODES[LEVELS[0]]] * 2
+    baseline_cpu = replace(platform.cpu_info(), flags=frozenset())
+    monkeypatch.setattr(platform, "cpu_info", lambda: baseline_cpu)
+    assert isa_levels() == ("baseline",)
+    seen.clear()
+    silu_and_mul_cpu(x)
+    assert seen == [fused_ops_cpu.ISA_CODES["baseline"]]
+
+
+def test_a_level_that_does_not_run_here_is_refused() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="isa 'x86-64-v9' is not available here"):
+        silu_and_mul_cpu(x, isa="x86-64-v9")
+    # The C entry points refuse a level themselves too: a bad code, and any level this
+    # build or CPU lacks (the launcher never passes one), before reading anything.
+    module = fused_ops_cpu._MODULE
+    out = torch.full((2, 4), 7.0)
+    missing = [c for n, c in fused_ops_cpu.ISA_CODES.items() if n not in module.isa_levels()]
+    for code in (-1, 3, *missing):
+        with pytest.raises(ValueError, match=f"instruction-set level {code} is not built"):
+            module.silu_and_mul(x.data_ptr(), 8, out.data_ptr(), 4, 2, 4, 0, 1, code)
+    assert bool((out == 7.0).all())
 
 
 # ------------------------------------------------------------------------------- mutants
@@ -332,7 +416,8 @@ def test_the_modules_run_the_kernels_on_cpu_and_match_the_references(dtype) -> N
         alone = norm(x)
         rotated = rotary.norm_rotate(positions, qk, weight[:16], weight[16:32], 4, EPS)
         act = SiluAndMul()(gate_up)
-    assert rec.calls == ["add_rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul"]
+    kernels = [c for c in rec.calls if c != "isa_levels"]  # a query, not a kernel call
+    assert kernels == ["add_rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul"]
     want, want_sum = add_rms_norm_ref(x, res, weight, EPS)
     assert torch.equal(normed, want) and torch.equal(summed, want_sum)
     assert torch.equal(alone, rms_norm_ref(x, weight, EPS))
@@ -348,12 +433,13 @@ def test_the_modules_keep_torch_where_a_gradient_is_needed_or_the_dtype_is_other
         out.sum().backward()
         SiluAndMul()(torch.randn(3, 8, dtype=torch.float64))
         RMSNorm(32).double()(torch.randn(2, 32, dtype=torch.float64))
-    assert rec.calls == []
+    assert [c for c in rec.calls if c != "isa_levels"] == []
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
     assert torch.equal(out, rms_norm_ref(x, norm.weight, EPS))
 
 
-def test_threads_change_no_bit() -> None:
+@each_level
+def test_threads_change_no_bit(isa: str) -> None:
     """Each row is computed whole by one thread (csrc/fused_ops.c's run_ranges)."""
     module = fused_ops_cpu._MODULE
     x = torch.randn(300, 512)
@@ -378,6 +464,7 @@ def test_threads_change_no_bit() -> None:
                 0,
                 torch_sum_lanes(),
                 threads,
+                fused_ops_cpu.ISA_CODES[isa],
             )
         )
         outs.append(out)

@@ -14,7 +14,10 @@ width the kernel knows, ``fused_ok`` is False and the modules stay on torch.
 
 The kernels live in the ``_cpu_kernels`` library as a second module, ``_fused_ops`` (PEP
 489 allows several in one library): an older build without it leaves ``fused_ops_problem``
-set and the modules on torch.
+set and the modules on torch. Each op is compiled once per instruction-set level
+(csrc/isa.h, as the decode kernel); every call runs the best of ``isa_levels()``, the
+levels the platform layer allows, unless a caller names one (``isa``, for tests and
+bench/test_isa_levels_bench.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from types import ModuleType
 
 import torch
 
+from paged_engine import platform
+from paged_engine.kernels.paged_decode_cpu import ISA_CODES
+
 __all__ = [
     "DTYPES",
     "MAX_COLS",
@@ -33,6 +39,7 @@ __all__ = [
     "add_rms_norm_cpu",
     "fused_ok",
     "fused_ops_problem",
+    "isa_levels",
     "qk_norm_rope_cpu_",
     "silu_and_mul_cpu",
     "torch_sum_lanes",
@@ -61,6 +68,8 @@ def _load() -> tuple[ModuleType | None, str | None]:
         loader.exec_module(module)
     except ImportError as exc:
         return None, f"the compiled CPU kernels predate the fused ops ({exc}); rebuild them"
+    if not hasattr(module, "isa_levels"):
+        return None, "the compiled CPU kernels predate the instruction-set levels; rebuild them"
     return module, None
 
 
@@ -124,6 +133,31 @@ def _module(what: str) -> ModuleType:
     return module
 
 
+@cache
+def _levels(module: ModuleType, runs: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(level for level in module.isa_levels() if level in runs)
+
+
+def isa_levels() -> tuple[str, ...]:
+    """The instruction-set levels (``ISA_CODES``' names) the kernels run at here, best
+    first: those the built module has and this CPU executes (its own check) that the
+    platform layer also finds the CPU's flags for (``platform.CpuInfo.isa_levels``); every
+    call takes the first. Worked out once per module and platform answer, as the ops run
+    per layer. Empty without the module."""
+    module = _MODULE
+    return () if module is None else _levels(module, platform.cpu_info().isa_levels)
+
+
+def _isa(what: str, isa: str | None) -> int:
+    """The code of level ``isa`` (None: the best here), refused where it does not run."""
+    levels = isa_levels()
+    if isa is None:
+        return ISA_CODES[levels[0]]
+    if isa not in levels:
+        raise ValueError(f"{what}: isa {isa!r} is not available here; choose one of {levels}")
+    return ISA_CODES[isa]
+
+
 def _lanes(what: str) -> int:
     lanes = torch_sum_lanes()
     if lanes is None:
@@ -154,11 +188,17 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def add_rms_norm_cpu(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rms_norm(x + residual) * weight, x + residual)``, or ``(rms_norm(x) * weight,
     None)`` without a residual, over the last axis; new tensors shaped like ``x``, the
-    inputs untouched. Bit for bit ``fused_ops_ref.add_rms_norm_ref``."""
+    inputs untouched. Bit for bit ``fused_ops_ref.add_rms_norm_ref``, at every ``isa``
+    (the instruction-set level, ``isa_levels``; None: the best here)."""
     what = "add_rms_norm_cpu"
     others = {} if residual is None else {"residual": residual}
     _check(what, x.dtype, x=x, weight=weight, **others)
@@ -169,7 +209,7 @@ def add_rms_norm_cpu(
         raise ValueError(f"{what}: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
     if not 1 <= n <= MAX_COLS:
         raise ValueError(f"{what}: rows of {n} elements; 1 to {MAX_COLS} supported")
-    module, lanes = _module(what), _lanes(what)
+    module, lanes, level = _module(what), _lanes(what), _isa(what, isa)
     x2 = _rows(x, n)
     r2 = None if residual is None else _rows(residual, n)
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -192,6 +232,7 @@ def add_rms_norm_cpu(
             DTYPES[x.dtype],
             lanes,
             _threads(rows * n),
+            level,
         )
     return out, res_out
 
@@ -204,12 +245,15 @@ def qk_norm_rope_cpu_(
     eps: float,
     cos: torch.Tensor,
     signed_sin: torch.Tensor,
+    *,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """Qwen3's q/k step in place on ``qk`` ``[N, heads, d]`` (q heads first, then k heads;
     heads contiguous within a token, tokens at any stride): each head RMSNormed with
     ``q_weight`` or ``k_weight`` ``[d]``, then rotated by ``cos`` and ``signed_sin``
     ``[N, d]`` (sin with its first half negated, ``RotaryEmbedding.cos_signed_sin``).
-    Returns ``qk``. Bit for bit ``fused_ops_ref.qk_norm_rope_ref``."""
+    Returns ``qk``. Bit for bit ``fused_ops_ref.qk_norm_rope_ref``, at every ``isa`` (as
+    ``add_rms_norm_cpu``'s)."""
     what = "qk_norm_rope_cpu_"
     _check(what, qk.dtype, qk=qk, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=signed_sin)
     if qk.dim() != 3 or qk.stride(1) != qk.shape[2]:
@@ -234,7 +278,7 @@ def qk_norm_rope_cpu_(
         raise ValueError(f"{what}: cos and sin need one row stride, got {cos.stride()}")
     if d % 2 or not 2 <= d <= MAX_COLS:
         raise ValueError(f"{what}: head_dim {d} must be even and at most {MAX_COLS}")
-    module, lanes = _module(what), _lanes(what)
+    module, lanes, level = _module(what), _lanes(what), _isa(what, isa)
     if tokens and heads:
         module.qk_norm_rope(
             qk.data_ptr(),
@@ -252,20 +296,22 @@ def qk_norm_rope_cpu_(
             DTYPES[qk.dtype],
             lanes,
             _threads(tokens * heads * d),
+            level,
         )
     return qk
 
 
-def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_cpu(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last axis: a new tensor with
     half of ``x``'s last axis. Close to ``fused_ops_ref.silu_and_mul_ref``, not equal (glibc's
-    expf against torch's exp; see csrc/fused_ops.c)."""
+    expf against torch's exp; see csrc/fused_ops.c), and in float32 the levels (``isa``, as
+    ``add_rms_norm_cpu``'s) differ in the last bits too (each its own vector expf)."""
     what = "silu_and_mul_cpu"
     _check(what, x.dtype, x=x)
     width = x.shape[-1] if x.dim() else 1
     if width % 2:
         raise ValueError(f"{what}: the last axis must be even ([gate | up]), got {width}")
-    module = _module(what)
+    module, level = _module(what), _isa(what, isa)
     x2 = _rows(x, width)
     d = width // 2
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
@@ -280,5 +326,6 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
             d,
             DTYPES[x.dtype],
             _threads(rows * width),
+            level,
         )
     return out

@@ -13,10 +13,17 @@ layer with the same shapes, and the "cpu" backend checks once per step.
 
 bfloat16 has two compiled variants: ``"avx512bf16"`` (AVX512-BF16 dot products) and
 ``"portable"`` (plain C, widened to float32); ``"auto"`` takes the AVX512 one when
-``bf16_variants()`` (worked out when the module loads) has it and ``head_dim >= 32``
-(below, a 512-bit dot is mostly masked off and the portable AVX2 copy measured faster).
-Both keep every product, the softmax and the accumulator in float32, and round once, to
-the output.
+``bf16_variants()`` has it and ``head_dim >= 32`` (below, a 512-bit dot is mostly masked
+off and the portable AVX2 copy measured faster). Both keep every product, the softmax and
+the accumulator in float32, and round once, to the output.
+
+Instruction-set levels (csrc/isa.h): the float32 kernel and the portable bfloat16 one are
+compiled once per level, the baseline everywhere and x86-64-v3/v4 on x86-64 (portable
+bfloat16 stops at v3). ``isa_levels()`` is what the module has, this CPU runs (the
+module's own CPUID check) and the platform layer finds the CPU's flags for
+(``platform.CpuInfo.isa_levels``); "auto" takes the best. Every choice of level and
+variant is made here, from the platform layer, per launch check; the C entry points only
+refuse one they cannot run.
 
 Threads: a call's (sequence, KV head) items run on up to ``DecodeLaunch.num_threads``
 threads (OpenMP, torch's own runtime; ``torch.get_num_threads()`` when the launch is
@@ -33,16 +40,17 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from paged_engine import platform
 from paged_engine.kernels.checks import check_int_vector, check_query_and_tables
 
 __all__ = [
     "BF16_VARIANTS",
     "DTYPES",
+    "ISA_CODES",
     "MAX_GROUP",
     "MAX_HEAD_DIM",
     "MIN_HEAD_DIM",
@@ -54,6 +62,7 @@ __all__ = [
     "cpu_kernels_problem",
     "cpu_kernels_threaded",
     "geometry_problem",
+    "isa_levels",
     "kernel_threads",
     "paged_decode_attention_cpu",
     "run_paged_decode_cpu",
@@ -68,14 +77,23 @@ BF16_VARIANTS = {"auto": 0, "portable": 1, "avx512bf16": 2}
 """The names of the bfloat16 variants, with the code the C entry point takes."""
 
 
+ISA_CODES = {"baseline": 0, "x86-64-v3": 1, "x86-64-v4": 2}
+"""The instruction-set levels the kernels are compiled at (csrc/isa.h), with their codes."""
+AVX512_MIN_HEAD_DIM = 32
+""""auto" takes the avx512bf16 variant from this head dim up (see the module docstring)."""
+
+
 def _load() -> tuple[ModuleType | None, str | None]:
     try:
-        return importlib.import_module("paged_engine._cpu_kernels"), None
+        module = importlib.import_module("paged_engine._cpu_kernels")
     except ImportError as exc:
         return None, (
             f"the compiled CPU kernels are not built ({exc}); reinstall paged_engine on a "
             "machine with a C compiler"
         )
+    if not hasattr(module, "isa_levels"):
+        return None, "the compiled CPU kernels predate the instruction-set levels; rebuild them"
+    return module, None
 
 
 _MODULE, _PROBLEM = _load()
@@ -94,26 +112,36 @@ def cpu_kernels_threaded() -> bool:
 
 
 def bf16_variants() -> tuple[str, ...]:
-    """The bfloat16 variants the built module runs on this CPU, best first; empty without
-    the module."""
-    if _MODULE is None:
+    """The bfloat16 variants that run here, best first: those the built module has and
+    this CPU executes (its own check) that the platform layer also finds the CPU's flags
+    for (``platform.DECODE_AVX512_BF16_FLAGS``); empty without the module."""
+    module = _MODULE  # read per call: the tests swap in mutants
+    if module is None:
         return ()
-    return tuple(_MODULE.bf16_variants())
+    cpu = platform.cpu_info()
+    return tuple(
+        v
+        for v in module.bf16_variants()
+        if v != "avx512bf16" or cpu.has(platform.DECODE_AVX512_BF16_FLAGS)
+    )
 
 
-def cpu_bf16_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
-    """The bfloat16 matrix instructions this CPU reports, of ``("amx_bf16", "avx512_bf16")``:
-    what makes torch's bfloat16 matmuls (oneDNN) fast, and this kernel's AVX512 variant.
-    Read from the kernel's flags in ``/proc/cpuinfo`` (Linux); empty where unreadable."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
+def isa_levels() -> tuple[str, ...]:
+    """The instruction-set levels (``ISA_CODES``' names) the kernel runs at here, best
+    first: those the built module has and this CPU executes (its own check) that the
+    platform layer also finds the CPU's flags for (``platform.CpuInfo.isa_levels``); "auto"
+    takes the first. Always ends in "baseline"; empty without the module."""
+    module = _MODULE
+    if module is None:
         return ()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return tuple(f for f in ("amx_bf16", "avx512_bf16") if f in flags)
-    return ()
+    runs = platform.cpu_info().isa_levels
+    return tuple(level for level in module.isa_levels() if level in runs)
+
+
+def cpu_bf16_features() -> tuple[str, ...]:
+    """The bfloat16 matrix instructions this CPU has (``platform.BF16_MATRIX_FLAGS``):
+    what makes torch's bfloat16 matmuls (oneDNN) fast, and this kernel's AVX512 variant."""
+    return platform.cpu_info().bf16_features
 
 
 def auto_cpu_dtype(
@@ -166,6 +194,8 @@ class DecodeLaunch:
     num_threads: int = 1
     """The most threads a call may use over its (sequence, KV head) items: 1 runs no
     parallel region at all; fewer are used when there are fewer items."""
+    isa: int = 0
+    """The instruction-set level's code (``ISA_CODES``) of the copy that runs."""
 
 
 def check_paged_decode_cpu(
@@ -178,11 +208,15 @@ def check_paged_decode_cpu(
     *,
     bf16_variant: str = "auto",
     num_threads: int | None = None,
+    isa: str = "auto",
 ) -> DecodeLaunch:
     """Every check of ``paged_decode_attention_cpu`` that depends on shapes, strides, dtypes
-    and devices only (the block ids and lengths are checked in C on every call), and the
-    thread count: ``num_threads``, or ``torch.get_num_threads()`` now when None (taken once
-    here, so a backend checking once per step reads it once per step, not per layer)."""
+    and devices only (the block ids and lengths are checked in C on every call), the
+    thread count (``num_threads``, or ``torch.get_num_threads()`` now when None: taken once
+    here, so a backend checking once per step reads it once per step, not per layer) and
+    the compiled copy: ``isa`` ("auto": the first of ``isa_levels()``) and, in bfloat16,
+    ``bf16_variant`` ("auto": avx512bf16 where ``bf16_variants()`` has it and the head dim
+    is at least ``AVX512_MIN_HEAD_DIM``, else portable), all decided here."""
     what = "paged_decode_attention_cpu"
     if _MODULE is None:
         raise RuntimeError(f"{what}: {_PROBLEM}")
@@ -211,13 +245,21 @@ def check_paged_decode_cpu(
     problem = geometry_problem(num_heads, num_kv_heads, head_dim, query.dtype)
     if problem is not None:
         raise ValueError(f"{what}: {problem}")
-    code = BF16_VARIANTS.get(bf16_variant)
     if bf16_variant != "auto" and query.dtype != torch.bfloat16:
         raise ValueError(f"{what}: bf16_variant {bf16_variant!r} applies to bfloat16 only")
-    if code is None or (bf16_variant != "auto" and bf16_variant not in bf16_variants()):
+    variants = bf16_variants()
+    if bf16_variant != "auto" and bf16_variant not in variants:
         raise ValueError(
             f"{what}: bf16_variant {bf16_variant!r} is not available here; choose 'auto' or "
-            f"one of {bf16_variants()}"
+            f"one of {variants}"
+        )
+    if bf16_variant == "auto":
+        avx512 = "avx512bf16" in variants and head_dim >= AVX512_MIN_HEAD_DIM
+        bf16_variant = "avx512bf16" if avx512 else "portable"
+    levels = isa_levels()
+    if isa != "auto" and isa not in levels:
+        raise ValueError(
+            f"{what}: isa {isa!r} is not available here; choose 'auto' or one of {levels}"
         )
     return DecodeLaunch(
         batch=batch,
@@ -227,8 +269,9 @@ def check_paged_decode_cpu(
         block_size=block_size,
         table_width=block_tables.shape[1],
         num_blocks=k_cache.shape[0],
-        bf16_variant=code if query.dtype == torch.bfloat16 else None,
+        bf16_variant=BF16_VARIANTS[bf16_variant] if query.dtype == torch.bfloat16 else None,
         num_threads=threads,
+        isa=ISA_CODES[levels[0] if isa == "auto" else isa],
     )
 
 
@@ -287,6 +330,7 @@ def kernel_threads(
         launch.num_blocks,
         scale,
         launch.num_threads,
+        launch.isa,
     )
     if launch.bf16_variant is None:
         threads: int = module.paged_decode_f32(*args)
@@ -306,6 +350,7 @@ def paged_decode_attention_cpu(
     *,
     bf16_variant: str = "auto",
     num_threads: int | None = None,
+    isa: str = "auto",
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context; returns ``[B, H, D]``.
 
@@ -313,9 +358,10 @@ def paged_decode_attention_cpu(
     with a unit last stride, caches as ``store_kv`` writes them, ``block_tables``
     ``[B, max_blocks]`` int32 (-1 padding past each context), ``seq_lens`` ``[B]`` int32, the
     context length including the new token. q, caches and out all float32 or all bfloat16,
-    on the CPU; ``bf16_variant`` picks the bfloat16 code ("auto": the best here);
-    ``num_threads`` bounds the threads (None: ``torch.get_num_threads()``); the result is
-    the same bits at any count. A zero-length context gives zeros.
+    on the CPU; ``bf16_variant`` picks the bfloat16 code and ``isa`` the instruction-set
+    level ("auto": the best here, ``check_paged_decode_cpu``); ``num_threads`` bounds the
+    threads (None: ``torch.get_num_threads()``); the result is the same bits at any count.
+    A zero-length context gives zeros.
     """
     launch = check_paged_decode_cpu(
         query,
@@ -326,5 +372,6 @@ def paged_decode_attention_cpu(
         out,
         bf16_variant=bf16_variant,
         num_threads=num_threads,
+        isa=isa,
     )
     return run_paged_decode_cpu(launch, query, k_cache, v_cache, block_tables, seq_lens, scale, out)
