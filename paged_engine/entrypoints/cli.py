@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             check_serve_args(args)
     except (ValueError, TypeError) as e:
-        args.parser.error(flag_message(str(e)))
+        args.parser.error(flag_message(e))
     try:
         return int(args.fn(args, fields, params))
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {flag_message(str(e))}", file=sys.stderr)
+        print(f"error: {flag_message(e)}", file=sys.stderr)
         return 2
