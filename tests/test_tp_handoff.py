@@ -72,10 +72,10 @@ def test_prompt_logprob_requests_travel_with_a_prefill_step() -> None:
     asks = Sequence([1, 2, 3], SamplingParams(prompt_logprobs=3), block_size=BLOCK)
     plain = Sequence([4, 5], block_size=BLOCK)
     message = StepMessage.of([plain, asks], is_prefill=True)
-    assert message.prompt_logprobs == ((1, 3),)
+    assert message.params == ((1, (("prompt_logprobs", 3),)),)
     workers = pickle.loads(encode(message)).restore()
     assert [s.sampling_params.prompt_logprobs for s in workers] == [None, 3]
-    assert StepMessage.of([plain, asks], is_prefill=False).prompt_logprobs == ()
+    assert StepMessage.of([plain, asks], is_prefill=False).params == ()
 
 
 def test_sampling_params_stay_on_rank_0() -> None:

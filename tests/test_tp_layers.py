@@ -212,6 +212,9 @@ class _Recorder:
             def get_shape(self) -> Any:
                 return real.get_shape()
 
+            def get_dtype(self) -> Any:
+                return real.get_dtype()
+
             def __getitem__(self, index: Any) -> torch.Tensor:
                 reads.append((name, index))
                 return real[index]  # type: ignore[no-any-return]

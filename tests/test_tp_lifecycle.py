@@ -2,7 +2,8 @@
 with a clear error within a bound, aborts its requests, frees the pool and leaves no
 process behind; no worker outlives its process (normal exit, SIGKILL); a model the ranks
 cannot shard is refused before any worker starts, and the CLI flag. TP=2 equality and the
-killed worker: tests/test_tp.py.
+killed worker: tests/test_tp.py; stopped workers and Ctrl-C: tests/test_tp_interrupt.py.
+The failure notes on Python 3.10, which has no ``add_note``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from paged_engine import LLM
 from paged_engine.worker import tp_worker
-from paged_engine.worker.tp_worker import WorkerError
+from paged_engine.worker.tp_worker import SHUTDOWN_NOTE, WorkerError, WorkerGroup, add_note
 from tests import tp_mutants
 from tests.tp_support import CONFIG, GREEDY, assert_gone, bounded, make_prompts
 
@@ -56,6 +58,42 @@ def test_a_failing_worker_fails_generate_cleanly(
     assert not engine.has_unfinished_requests()  # generate aborted its requests
     assert engine.block_manager.num_free_blocks == CONFIG["num_kvcache_blocks"]  # type: ignore[union-attr]
     llm.close()  # already closed by the failure: a no-op
+
+
+class NoAddNote(RuntimeError):
+    """A RuntimeError as Python 3.10 has them: no ``add_note`` (requires-python >= 3.10)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+class NoAddNoteWorkerError(NoAddNote, WorkerError):
+    pass
+
+
+@pytest.mark.parametrize("kind", [NoAddNote, NoAddNoteWorkerError])
+def test_a_failed_group_notes_its_shutdown_without_add_note(
+    monkeypatch: pytest.MonkeyPatch, kind: type[RuntimeError]
+) -> None:
+    """Before the fix ``fail`` called ``err.add_note`` and raised AttributeError there."""
+    monkeypatch.setattr(tp_worker, "REPORT_GRACE_S", 0.0)
+    group = WorkerGroup.__new__(WorkerGroup)  # no workers, closed: fail() only notes
+    group.procs, group.conns, group.closed, group.failed = [], [], True, False
+    err = kind("the collective failed")
+    assert not hasattr(err, "add_note")
+    assert group.fail(err) is err
+    assert err.__notes__ == [SHUTDOWN_NOTE]  # type: ignore[attr-defined]
+    assert str(err) == f"the collective failed\n{SHUTDOWN_NOTE}"  # 3.10 prints no notes
+    add_note(err, "second")
+    assert err.__notes__ == [SHUTDOWN_NOTE, "second"]  # type: ignore[attr-defined]
+
+
+def test_add_note_uses_the_native_one_where_there_is_one() -> None:
+    err = ValueError("message")
+    add_note(err, "a note")
+    assert err.__notes__ == ["a note"] and str(err) == "message"
 
 
 EXIT_SCRIPT = """

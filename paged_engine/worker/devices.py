@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-__all__ = ["resolve_device", "resolve_dtype"]
+__all__ = ["resolve_device", "resolve_dtype", "resolve_tp_device"]
 
 logger = logging.getLogger("paged_engine")
 
@@ -28,6 +28,25 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {name!r}: only cpu and cuda are supported")
+    return device
+
+
+def resolve_tp_device(name: str, ranks: int) -> torch.device:
+    """The device of a tensor-parallel group of ``ranks`` (rank r on ``cuda:r`` under
+    CUDA): refused when the name picks one CUDA device or the machine has too few."""
+    device = resolve_device(name)
+    if device.type != "cuda":
+        return device
+    if device.index is not None:
+        raise ValueError(
+            f"device={name!r} names one device, but tensor_parallel_size={ranks} "
+            "puts rank r on cuda:r: use device='cuda' or 'auto'"
+        )
+    if torch.cuda.device_count() < ranks:
+        raise ValueError(
+            f"tensor_parallel_size={ranks} needs {ranks} CUDA devices, this machine has "
+            f"{torch.cuda.device_count()}"
+        )
     return device
 
 

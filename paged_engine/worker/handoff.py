@@ -45,32 +45,48 @@ WAIT_POLL_S = 1.0
 """How often an idle worker checks that rank 0 is still alive."""
 
 
+WORKER_FIELDS = ("prompt_logprobs",)
+"""The ``SamplingParams`` fields a worker's forward pass reads (``ModelRunner.prepare``
+and ``_forward``: which prompt rows become logits, and how many logprobs each gets).
+Every other field is rank 0's alone: it samples, stops and detokenizes."""
+_DEFAULTS = SamplingParams()
+
+
+def _carried(params: SamplingParams) -> tuple[tuple[str, Any], ...]:
+    """The ``WORKER_FIELDS`` of ``params`` that differ from the defaults, by comparison
+    with the default (never by truth: ``prompt_logprobs=0`` asks for logprobs)."""
+    return tuple(
+        (name, value)
+        for name in WORKER_FIELDS
+        if (value := getattr(params, name)) != getattr(_DEFAULTS, name)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    """One step for the workers. ``prompt_logprobs``: ``(index, k)`` of each prefilling
-    sequence that asks for prompt logprobs. The sequences' sampling params stay behind
-    (workers never sample), but the rows a runner turns into logits for prompt logprobs
-    depend on them, and every rank must make the same LM-head gathers."""
+    """One step for the workers. ``params``: ``(index, ((field, value), ...))`` for each
+    prefilling sequence whose params set one of ``WORKER_FIELDS``. The sequences'
+    sampling params stay behind (workers never sample), but the rows a runner turns into
+    logits for prompt logprobs depend on them, and every rank must make the same LM-head
+    gathers."""
 
     seqs: list[Sequence]
     is_prefill: bool
-    prompt_logprobs: tuple[tuple[int, int], ...] = ()
+    params: tuple[tuple[int, tuple[tuple[str, Any], ...]], ...] = ()
 
     @classmethod
     def of(cls, seqs: list[Sequence], is_prefill: bool) -> StepMessage:
-        asked: tuple[tuple[int, int], ...] = ()
+        asked: tuple[tuple[int, tuple[tuple[str, Any], ...]], ...] = ()
         if is_prefill:
             asked = tuple(
-                (i, k)
-                for i, s in enumerate(seqs)
-                if (k := s.sampling_params.prompt_logprobs) is not None
+                (i, carried) for i, s in enumerate(seqs) if (carried := _carried(s.sampling_params))
             )
         return cls(seqs, is_prefill, asked)
 
     def restore(self) -> list[Sequence]:
-        """The worker-side sequences, with the prompt-logprob requests put back."""
-        for i, k in self.prompt_logprobs:
-            self.seqs[i].sampling_params = SamplingParams(prompt_logprobs=k)
+        """The worker-side sequences, with the carried params put back."""
+        for i, carried in self.params:
+            self.seqs[i].sampling_params = SamplingParams(**dict(carried))
         return self.seqs
 
 

@@ -7,15 +7,18 @@ with its share of the KV heads. Each step rank 0 hands the scheduled sequences o
 the same collectives in the same order. Workers discard their results.
 
 **Failures.** A worker that raises sends its traceback to rank 0 over a pipe and exits;
-one that is killed just disappears. Either way rank 0 finds out within a bounded time:
-before a step it checks that every worker is alive, and during a step its next
-collective fails as soon as the peer's connection closes (gloo; NCCL waits for the
-process group's timeout, ``distributed.COLLECTIVE_TIMEOUT_S``). Any failure while the
-ranks run a step together leaves their collectives out of step, so the group is shut
-down: the step raises ``WorkerError`` (a worker failed) or rank 0's own exception, the
-scheduler recovers the step as after any fault ("Atomic steps"), and the ``LLM`` is
-closed. A failure after the forward pass (rank 0's sampler) is an ordinary fault: the
-workers had finished the step, and the engine keeps serving.
+one that is killed just disappears; one that is stopped (SIGSTOP, a debugger) or hangs
+stays alive but never reaches the next collective. Rank 0 runs each step on
+``distributed.CollectiveThread`` and waits for it, checking every ``POLL_S`` that the
+workers live: a dead worker fails the step at once (gloo also fails the collective as
+soon as the peer's connection closes), a stopped or hung one within the collective
+timeout (``distributed.collective_timeout_s``), named as stopped when it is, and a
+Ctrl-C is taken at once, however long the collective would have blocked. Any failure
+while the ranks run a step together (a Ctrl-C included) leaves their collectives out of
+step, so the group is shut down: the step raises ``WorkerError`` (a worker failed) or
+rank 0's own exception, the scheduler recovers the step as after any fault ("Atomic
+steps"), and the ``LLM`` is closed. A failure after the forward pass (rank 0's sampler)
+is an ordinary fault: the workers had finished the step, and the engine keeps serving.
 
 **Lifecycle.** ``WorkerGroup.close()`` asks the workers to exit, then terminates and
 finally kills any that do not, and destroys the process group; ``LLM.close()``, its
@@ -28,6 +31,7 @@ caller's ``__main__`` must be importable without side effects (the usual
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -47,19 +51,44 @@ from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.parallel import check_divisible
 from paged_engine.utils.model_config import load_config
 from paged_engine.worker import distributed as tpd
-from paged_engine.worker.devices import resolve_device
+from paged_engine.worker.devices import resolve_tp_device
 from paged_engine.worker.handoff import BroadcastChannel, ShmChannel, ShmReader, StepMessage
 from paged_engine.worker.model_runner import ModelRunner
 
 T = TypeVar("T")
+logger = logging.getLogger("paged_engine")
 JOIN_TIMEOUT_S = 10.0
 """How long ``close()`` waits for a worker to exit before terminating it."""
 REPORT_GRACE_S = 1.0
 """How long a failed step waits for a worker's exit code or error report."""
+POLL_S = 0.25
+"""How often rank 0, waiting on the collective thread, checks that every worker lives."""
+STARTUP_TIMEOUT_S = 600.0
+"""The longest a worker may stay silent while it starts (spawn, imports, its runner and
+its weights: a large checkpoint takes minutes). The wait polls, so a worker's death or
+a Ctrl-C ends it at once."""
+DRAIN_S = 10.0
+"""How long ``close()`` waits for rank 0's interrupted collective to fail once the
+workers are gone (gloo: at once); past it the process group is left, not destroyed."""
+SHUTDOWN_NOTE = "the tensor-parallel workers were shut down: a new LLM is needed"
 
 
 class WorkerError(RuntimeError):
-    """A tensor-parallel worker raised or died; the group was shut down."""
+    """A tensor-parallel worker raised, died or stopped; the group was shut down."""
+
+
+def add_note(err: BaseException, note: str) -> None:
+    """``err.add_note(note)``, also on Python 3.10, which has no ``add_note``: there the
+    note goes where 3.11 keeps notes (``__notes__``) and, as 3.10's tracebacks do not
+    print those, onto the message when ``err`` has a single string argument."""
+    native = getattr(err, "add_note", None)
+    if native is not None:
+        native(note)
+        return
+    notes = getattr(err, "__notes__", None)
+    err.__notes__ = [*(notes if isinstance(notes, list) else []), note]
+    if len(err.args) == 1 and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}\n{note}",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +99,8 @@ class WorkerSpec:
     backend: str
     segment: str | None
     """The shared-memory segment's name; None for the broadcast hand-off."""
+    timeout_s: float
+    """The collective timeout, rank 0's (``distributed.collective_timeout_s``)."""
 
 
 def worker_main(rank: int, spec: WorkerSpec, signal_: Any, conn: Any) -> None:
@@ -81,8 +112,8 @@ def worker_main(rank: int, spec: WorkerSpec, signal_: Any, conn: Any) -> None:
         world = spec.config.tensor_parallel_size
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
-        store = tpd.connect_store(spec.store_port, world)
-        tp = tpd.join_group(rank, world, store, spec.backend)
+        store = tpd.connect_store(spec.store_port, world, spec.timeout_s)
+        tp = tpd.join_group(rank, world, store, spec.backend, spec.timeout_s)
         runner = ModelRunner(spec.model_dir, spec.config, tp=tp)
         conn.send(("ready", runner.num_kvcache_blocks))
         alive = parent.is_alive if parent is not None else (lambda: True)
@@ -114,20 +145,22 @@ class WorkerGroup:
         if transport not in ("shm", "broadcast"):
             raise ValueError(f"transport must be 'shm' or 'broadcast', got {transport!r}")
         tpd.refuse_existing_group()
+        timeout_s = tpd.collective_timeout_s()
         n = config.tensor_parallel_size
         ctx = mp.get_context("spawn")
         self.closed = False
         self.failed = False
         self.procs: list[Any] = []
         self.conns: list[Any] = []
-        self._store = tpd.open_store(n)
+        self._store = tpd.open_store(n, timeout_s)
         signals = [ctx.Semaphore(0) for _ in range(n - 1)]
         self.channel: ShmChannel | BroadcastChannel = (
             ShmChannel(signals) if transport == "shm" else BroadcastChannel()
         )
         segment = self.channel.name if isinstance(self.channel, ShmChannel) else None
         backend = tpd.backend_for(device)
-        spec = WorkerSpec(str(model_dir), config, self._store.port, backend, segment)
+        spec = WorkerSpec(str(model_dir), config, self._store.port, backend, segment, timeout_s)
+        self._caller = tpd.CollectiveThread("paged_engine-tp0")
         try:
             for rank in range(1, n):
                 recv, send = ctx.Pipe(duplex=False)
@@ -143,7 +176,7 @@ class WorkerGroup:
                 self.procs.append(proc)
                 self.conns.append(recv)
             self._wait_all("started")
-            self.tp = tpd.join_group(0, n, self._store, spec.backend)
+            self.tp = self._run(lambda: tpd.join_group(0, n, self._store, backend, timeout_s))
         except BaseException as err:
             raise self.fail(err)  # noqa: B904 - err itself, or its wrapper
 
@@ -155,16 +188,16 @@ class WorkerGroup:
 
     def _wait_all(self, kind: str) -> list[Any]:
         """Each worker's next message, which must be ``kind``; WorkerError when one
-        reports an error, dies, or stays silent for ``COLLECTIVE_TIMEOUT_S``."""
+        reports an error, dies, or stays silent for ``STARTUP_TIMEOUT_S``."""
         values = []
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
-            deadline = time.monotonic() + tpd.COLLECTIVE_TIMEOUT_S
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
             while not conn.poll(0.05):
                 if not proc.is_alive():
                     raise WorkerError(self._describe(rank) or f"worker rank {rank} exited")
                 if time.monotonic() > deadline:
-                    wait = tpd.COLLECTIVE_TIMEOUT_S
-                    raise WorkerError(f"worker rank {rank} sent nothing for {wait:.0f} s")
+                    silent = STARTUP_TIMEOUT_S
+                    raise WorkerError(f"worker rank {rank} sent nothing for {silent:.0f} s")
             got, value = conn.recv()
             if got == "error":
                 raise WorkerError(f"tensor-parallel worker rank {rank} raised:\n{value}")
@@ -183,8 +216,8 @@ class WorkerGroup:
             raise self.fail(err)  # noqa: B904 - err itself, or its wrapper
 
     def _describe(self, rank: int) -> str | None:
-        """What became of worker ``rank``: its error report, or how it exited; None
-        while it is alive and silent."""
+        """What became of worker ``rank``: its error report, how it exited, or that it is
+        stopped; None while it is alive, running and silent."""
         proc, conn = self.procs[rank - 1], self.conns[rank - 1]
         with suppress(EOFError, OSError):
             while conn.poll():
@@ -192,6 +225,11 @@ class WorkerGroup:
                 if got == "error":
                     return f"tensor-parallel worker rank {rank} (pid {proc.pid}) raised:\n{value}"
         if proc.is_alive():  # also reaps it when it has exited
+            if tpd.process_state(proc.pid) in ("T", "t"):
+                return (
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) is stopped (SIGSTOP, "
+                    "job control or a debugger): it could not take part in the step"
+                )
             return None
         code = proc.exitcode
         how = f"signal {-code}" if code < 0 else f"code {code}"
@@ -217,14 +255,31 @@ class WorkerGroup:
                 "step): build a new LLM"
             )
         try:
-            procs = enumerate(self.procs, 1)
-            dead = [d for r, p in procs if not p.is_alive() and (d := self._describe(r))]
-            if dead:
-                raise WorkerError("\n".join(dead))
-            self.channel.send(StepMessage.of(seqs, is_prefill))
-            return fn(seqs, is_prefill)
+            self._check_alive()
+            message = StepMessage.of(seqs, is_prefill)
+
+            def step() -> T:
+                self.channel.send(message)  # a collective for the broadcast hand-off
+                return fn(seqs, is_prefill)
+
+            return self._run(step)
         except BaseException as err:
             raise self.fail(err)  # noqa: B904 - err itself, or its wrapper
+
+    def _run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the collective thread, waited for here: every ``POLL_S`` this
+        thread checks the workers (WorkerError for one that died, without waiting for
+        the collective to notice), and a KeyboardInterrupt ends the wait at once."""
+        call = self._caller.submit(fn)
+        while not call.wait(POLL_S):
+            self._check_alive()
+        return call.result()
+
+    def _check_alive(self) -> None:
+        procs = enumerate(self.procs, 1)
+        dead = [d for r, p in procs if not p.is_alive() and (d := self._describe(r))]
+        if dead:
+            raise WorkerError("\n".join(dead))
 
     def fail(self, err: BaseException) -> BaseException:
         """Shut the group down after ``err``; the exception to raise: a ``WorkerError``
@@ -233,16 +288,15 @@ class WorkerGroup:
         failures = self._failures() if not isinstance(err, WorkerError) else []
         self.failed = True
         self.close()
-        note = "the tensor-parallel workers were shut down: a new LLM is needed"
         if isinstance(err, WorkerError):
-            err.add_note(note)
+            add_note(err, SHUTDOWN_NOTE)
             return err
         if failures and isinstance(err, RuntimeError):
             wrapped = WorkerError("\n".join(failures))
             wrapped.__cause__ = err
-            wrapped.add_note(note)
+            add_note(wrapped, SHUTDOWN_NOTE)
             return wrapped
-        err.add_note(note)
+        add_note(err, "\n".join([*failures, SHUTDOWN_NOTE]))
         return err
 
     def close(self) -> None:
@@ -252,9 +306,11 @@ class WorkerGroup:
         self.closed = True
         if not self.failed and hasattr(self, "tp"):
             with suppress(Exception):
-                self.channel.send(None)
+                self._run(lambda: self.channel.send(None))
         for proc in self.procs:
-            proc.join(JOIN_TIMEOUT_S if not self.failed else 0)
+            if self.failed:  # nothing to finish; SIGKILL also ends a stopped worker
+                proc.kill()
+            proc.join(JOIN_TIMEOUT_S)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(JOIN_TIMEOUT_S)
@@ -264,7 +320,12 @@ class WorkerGroup:
         for conn in self.conns:
             conn.close()
         self.channel.close()
-        tpd.leave_group()
+        drained = self._caller.drain(DRAIN_S)  # its collective fails now that peers are gone
+        self._caller.stop()
+        if drained:
+            tpd.leave_group()
+        else:  # destroying a group under a running collective could crash the process
+            logger.warning("a collective did not end within %.0f s: process group left", DRAIN_S)
 
 
 def start_tensor_parallel(
@@ -279,19 +340,7 @@ def start_tensor_parallel(
     if n < 2:
         raise ValueError(f"tensor_parallel_size={n}: a tensor-parallel group needs 2 or more")
     check_divisible(load_config(Path(model_dir)), n)
-    device = resolve_device(config.device)
-    if device.type == "cuda":
-        if device.index is not None:
-            raise ValueError(
-                f"device={config.device!r} names one device, but tensor_parallel_size={n} "
-                "puts rank r on cuda:r: use device='cuda' or 'auto'"
-            )
-        if torch.cuda.device_count() < n:
-            raise ValueError(
-                f"tensor_parallel_size={n} needs {n} CUDA devices, this machine has "
-                f"{torch.cuda.device_count()}"
-            )
-    group = WorkerGroup(model_dir, config, device, transport)
+    group = WorkerGroup(model_dir, config, resolve_tp_device(config.device, n), transport)
     try:
         runner = ModelRunner(model_dir, config, tp=group.tp)
     except BaseException as err:
