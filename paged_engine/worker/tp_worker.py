@@ -20,8 +20,8 @@ rank 0's own exception, the scheduler recovers the step as after any fault ("Ato
 steps"), and the ``LLM`` is closed. A failure after the forward pass (rank 0's sampler)
 is an ordinary fault: the workers had finished the step, and the engine keeps serving.
 
-**Lifecycle.** ``WorkerGroup.close()`` asks the workers to exit, then terminates and
-finally kills any that do not, and destroys the process group; ``LLM.close()``, its
+**Lifecycle.** ``WorkerGroup.close()`` asks the workers to exit, kills any that do not
+(at once after a failure), and destroys the process group; ``LLM.close()``, its
 ``with`` block and a ``weakref.finalize`` (garbage collection, interpreter exit) call it.
 Workers are daemonic and poll for rank 0's death while idle, so none outlives rank 0.
 The costs: one spawn per worker (a fresh interpreter importing torch: seconds), and the
@@ -58,7 +58,7 @@ from paged_engine.worker.model_runner import ModelRunner
 T = TypeVar("T")
 logger = logging.getLogger("paged_engine")
 JOIN_TIMEOUT_S = 10.0
-"""How long ``close()`` waits for a worker to exit before terminating it."""
+"""How long ``close()`` waits for a worker to exit before killing it."""
 REPORT_GRACE_S = 1.0
 """How long a failed step waits for a worker's exit code or error report."""
 POLL_S = 0.25
@@ -304,28 +304,26 @@ class WorkerGroup:
         if self.closed:
             return
         self.closed = True
-        if not self.failed and hasattr(self, "tp"):
-            with suppress(Exception):
-                self._run(lambda: self.channel.send(None))
-        for proc in self.procs:
-            if self.failed:  # nothing to finish; SIGKILL also ends a stopped worker
-                proc.kill()
-            proc.join(JOIN_TIMEOUT_S)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(JOIN_TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
+        try:
+            if not self.failed and hasattr(self, "tp"):
+                with suppress(Exception):
+                    self._run(lambda: self.channel.send(None))
+                for proc in self.procs:
+                    proc.join(JOIN_TIMEOUT_S)
+        finally:  # also after a Ctrl-C in the clean exit: nothing is left behind
+            for proc in self.procs:
+                if proc.is_alive():  # a failed group's, or one that did not exit
+                    proc.kill()  # SIGKILL ends a stopped worker too (SIGTERM would wait)
                 proc.join()
-        for conn in self.conns:
-            conn.close()
-        self.channel.close()
-        drained = self._caller.drain(DRAIN_S)  # its collective fails now that peers are gone
-        self._caller.stop()
-        if drained:
-            tpd.leave_group()
-        else:  # destroying a group under a running collective could crash the process
-            logger.warning("a collective did not end within %.0f s: process group left", DRAIN_S)
+            for conn in self.conns:
+                conn.close()
+            self.channel.close()
+            drained = self._caller.drain(DRAIN_S)  # its collective fails: peers are gone
+            self._caller.stop()
+            if drained:
+                tpd.leave_group()
+            else:  # destroying a group under a running collective could crash the process
+                logger.warning("a collective ran on %.0f s after close: group left", DRAIN_S)
 
 
 def start_tensor_parallel(
