@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform as _stdlib_platform  # absolute: the standard library's, not this module
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -71,7 +72,7 @@ class CpuInfo:
     """The CPU as the kernel reports it (/proc/cpuinfo, first processor) and ``uname``."""
 
     architecture: str
-    """``os.uname().machine``: "x86_64", "aarch64", ..."""
+    """The standard library's ``platform.machine()``: "x86_64", "aarch64", ..."""
     model_name: str | None
     """"model name" (x86); None where the file has none (aarch64) or cannot be read."""
     flags: frozenset[str]
@@ -100,7 +101,7 @@ class CpuInfo:
 def read_cpu_info(path: Path = CPUINFO, architecture: str | None = None) -> CpuInfo:
     """Parse a /proc/cpuinfo (the first processor's lines: every core reports the same
     features); ``architecture`` defaults to this machine's. Unreadable: no flags."""
-    arch = os.uname().machine if architecture is None else architecture
+    arch = _stdlib_platform.machine() if architecture is None else architecture
     model: str | None = None
     flags: frozenset[str] = frozenset()
     try:
@@ -139,8 +140,8 @@ class TorchCpu:
     (``torch.ops.mkldnn._reorder_linear_weight``, ``_linear_pointwise``)."""
     mkldnn_bf16: bool
     """``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: oneDNN computes bfloat16 here
-    (x86: AVX512BW, VL and DQ; aarch64: the BF16 extension). Without it, packing a
-    bfloat16 weight raises."""
+    (x86: AVX512BW, VL and DQ, or AVX-NE-CONVERT; aarch64: the BF16 extension). Without
+    it, packing a bfloat16 weight raises."""
 
 
 @cache

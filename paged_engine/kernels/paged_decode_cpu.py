@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -131,10 +132,14 @@ def isa_levels() -> tuple[str, ...]:
     first: those the built module has and this CPU executes (its own check) that the
     platform layer also finds the CPU's flags for (``platform.CpuInfo.isa_levels``); "auto"
     takes the first. Always ends in "baseline"; empty without the module."""
-    module = _MODULE
-    if module is None:
-        return ()
-    runs = platform.cpu_info().isa_levels
+    module = _MODULE  # read per call: the tests swap in mutants
+    return () if module is None else _levels(module, platform.cpu_info().isa_levels)
+
+
+@cache
+def _levels(module: ModuleType, runs: tuple[str, ...]) -> tuple[str, ...]:
+    """What ``isa_levels`` says for ``module`` and the platform's ``runs``: both fixed
+    for a process, so asked of the module once (launch checks ask once per step)."""
     return tuple(level for level in module.isa_levels() if level in runs)
 
 
