@@ -107,8 +107,10 @@ class LLM:
     ``tensor_parallel_size=N`` starts ``N - 1`` worker processes (refused first when the
     model's heads, KV heads, intermediate size or vocabulary do not divide by ``N``).
     Call ``close()`` or use ``with LLM(...) as llm:`` to end them; they also end when the
-    ``LLM`` is garbage collected or the interpreter exits. A worker that fails makes the
-    step raise (``WorkerError``) and closes the ``LLM``.
+    ``LLM`` is garbage collected or the interpreter exits. A worker that fails (raises,
+    dies, or stops for longer than the collective timeout, ``PAGED_ENGINE_TP_TIMEOUT_S``,
+    a minute by default) makes the step raise (``WorkerError``) and closes the ``LLM``;
+    so does a Ctrl-C during a step, which is taken at once.
     """
 
     def __init__(

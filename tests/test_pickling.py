@@ -1,4 +1,4 @@
-"""A ``Sequence`` pickled for a worker (seed §3.1) is the sequence the model runner needs.
+"""A ``Sequence`` pickled for a worker is the sequence the model runner needs.
 
 While prefilling, the compact state carries the token ids; while decoding, only the
 counters, the block table and the last token. Each step's sequences go through the

@@ -1,4 +1,4 @@
-"""The step hand-off (seed §3.1): what a step costs in bytes, and the shared-memory channel.
+"""The step hand-off: what a step costs in bytes, and the shared-memory channel.
 
 A decoding sequence's pickle carries counters, the block table and the last token, never
 its token ids: its size does not grow with the sequence (checked against the same

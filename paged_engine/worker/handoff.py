@@ -1,4 +1,4 @@
-"""The step hand-off (seed §3.1): rank 0 schedules, and each step sends the scheduled
+"""The step hand-off: rank 0 schedules, and each step sends the scheduled
 sequences to the other ranks, pickled compactly (``Sequence.__getstate__``: a prefilling
 sequence carries its token ids; a decoding one only its counters, ``block_table`` and
 ``last_token``).
@@ -19,7 +19,9 @@ workers:
   carries a ``_Moved`` note).
 * ``BroadcastChannel``: ``torch.distributed.broadcast_object_list``, the alternative the
   issue asks to measure. An idle worker waits inside a collective, so it is bound by the
-  process group's timeout.
+  process group's timeout (``distributed.collective_timeout_s``, a minute by default):
+  an engine left idle longer loses its workers. A benchmark alternative; ``LLM`` uses
+  the shared memory.
 
 ``bench/test_tp_bench.py`` measures both in the engine's step, ``bench/test_tp_costs_bench.py``
 alone; the shared-memory channel is kept (figures there and in the README).
