@@ -2,11 +2,12 @@
 live server (ephemeral port, key from ``PAGED_ENGINE_API_KEY``) answering 401 without the
 key on every route but ``/health``, a 400 for chat without a template, 503 beyond
 ``--max-queue``; and SIGTERM while streams run: the streams end and the process exits 0
-within its bounded time."""
+within its bounded time, under load too (``shutdown_timeout + SHUTDOWN_BOUND_S``)."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -19,6 +20,7 @@ import openai
 import pytest
 
 from paged_engine.__main__ import main as cli
+from paged_engine.entrypoints.server_runtime import SHUTDOWN_BOUND_S
 from tests.test_server_support import MODEL, PROMPTS, serve_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -171,3 +173,63 @@ def test_sigterm_ends_the_streams_and_exits_in_bounded_time(
     assert elapsed < 10, elapsed
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_shutdown_under_load_ends_within_its_timeout_and_the_stated_bound(
+    tiny_model_dir: Path,
+) -> None:
+    """Sixteen clients sending request after request (half streamed), each far longer
+    than ``--shutdown-timeout``, and one stalled halfway through sending its body: after
+    SIGTERM the requests in flight run through the grace period, then end (an error
+    event, a 503), and the process exits 0 within the timeout plus ``SHUTDOWN_BOUND_S``
+    (the old server waited for the stalled client until the timeout plus 5 s, then spent
+    seconds more in the interpreter's exit)."""
+    grace = 2.0
+    flags = ["--shutdown-timeout", str(grace), "--max-model-len", "2048"]
+    with serve_process(tiny_model_dir, *flags, "--num-kv-blocks", "4096") as (url, process):
+        ends: list[str] = []
+        stop = threading.Event()
+
+        def streamer(i: int) -> None:
+            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 1500}
+            body |= {"ignore_eos": True, "stream": True}
+            while not stop.is_set():
+                try:
+                    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                        ends.append([line for line in r.iter_lines() if line][-2])
+                except httpx.HTTPError:  # the server has closed
+                    time.sleep(0.05)
+
+        def plain(i: int) -> None:
+            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 1500}
+            body |= {"ignore_eos": True}
+            http = httpx.Client(timeout=60)
+            while not stop.is_set():
+                try:
+                    ends.append(http.post(url + "/v1/completions", json=body).text)
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+
+        threads = [threading.Thread(target=streamer, args=(i,)) for i in range(8)]
+        threads += [threading.Thread(target=plain, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        stalled = socket.create_connection((host, int(port)))
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100000\r\n\r\n{"model": "tiny", "prompt": "'
+        )
+        time.sleep(3)  # load for a while
+        t0 = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(grace + SHUTDOWN_BOUND_S + 30)
+        elapsed = time.monotonic() - t0
+        stop.set()
+        for t in threads:
+            t.join(10)
+        stalled.close()
+    assert code == 0
+    assert grace <= elapsed <= grace + SHUTDOWN_BOUND_S, elapsed
+    # the requests in flight at the signal were ended by the shutdown
+    assert sum("shutting down" in e for e in ends) >= 16, ends[-18:]
