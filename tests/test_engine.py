@@ -310,3 +310,57 @@ def test_requests_that_cannot_hit_each_other_are_not_deferred() -> None:
     assert [list(o.outputs[0].token_ids) for o in outs] == [
         expected(p, GREEDY, engine) for p in prompts
     ]
+
+
+# ---- a stop token's text (issue 28, defect 6) -------------------------------------------------
+
+
+def _ended(engine: LLMEngine, prompt: list[int], params: SamplingParams, stream: bool) -> Any:
+    if not stream:
+        (out,) = engine.generate(prompt, params, use_tqdm=False)
+        return out.outputs[0]
+    engine.add_request("s", prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs[-1].outputs[0]
+
+
+def _ending_with(token: int, ignore_eos: bool) -> tuple[list[int], list[int]]:
+    """A prompt whose greedy continuation (EOS 0 ignored) has ``token`` first at position 2
+    or later, and that continuation up to it."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for a in range(1, VOCAB):
+        for b in range(1, VOCAB):
+            prompt = [a, b, a]
+            tokens, _ = reference_generate(
+                prompt, free, vocab_size=VOCAB, eos_token_id=None, max_model_len=32
+            )
+            cut = tokens.index(token) if token in tokens else -1
+            if cut >= 2 and (ignore_eos or 0 not in tokens[:cut]):
+                return prompt, tokens[: cut + 1]
+    raise AssertionError(f"no continuation ends in {token}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["generate", "stream"])
+@pytest.mark.parametrize("include", [False, True], ids=["dropped", "included"])
+def test_the_text_of_the_token_that_stopped_a_request(stream: bool, include: bool) -> None:
+    """vLLM's rule: the text of the EOS or stop token that ended a completion is left out,
+    unless ``include_stop_str_in_output``; its id stays in ``token_ids``."""
+    from tests.fake_model import FakeTokenizer
+
+    engine = build_engine(EngineConfig(**CONFIG), spec=False, tokenizer=FakeTokenizer())
+    assert engine.eos_token_ids == (0,)
+    for token, reason in ((0, None), (3, 3)):  # EOS, then a stop token
+        prompt, tokens = _ending_with(token, ignore_eos=token != 0)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=token != 0,
+            stop_token_ids=[token] if token else [],
+            include_stop_str_in_output=include,
+        )
+        c = _ended(engine, prompt, params, stream)
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == (tokens, "stop", reason)
+        shown = tokens if include else tokens[:-1]
+        assert c.text == "".join(f"<{t}>" for t in shown)

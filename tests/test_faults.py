@@ -16,8 +16,9 @@ from paged_engine import LLM
 from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.outputs import FailedSample
+from paged_engine.engine.scheduler import Scheduler
 from paged_engine.sampling_params import SamplingParams
-from tests.engine_machine import VOCAB, add, build_engine
+from tests.engine_machine import VOCAB, CheckedRunner, add, build_engine
 from tests.fake_model import FakeModelRunner, FakeTokenizer, reference_generate
 
 CONFIG = EngineConfig(
@@ -46,7 +47,7 @@ def assert_idle_and_whole(engine: LLMEngine) -> None:
     assert not sched.waiting and not sched.running and not sched.finished
     assert not sched._in_flight
     bm: Any = engine.block_manager
-    assert bm.num_free_blocks == CONFIG.num_kvcache_blocks
+    assert bm.num_free_blocks == engine.num_blocks
     bm.check_invariants([])
 
 
@@ -299,3 +300,144 @@ def test_llm_generate_after_a_fault_at_every_model_call_is_exact(tiny_model_dir:
         assert [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ] == clean
+
+
+# ---- issue 28: a fault anywhere in a step --------------------------------------------------
+
+
+class TailInterrupted(Scheduler):
+    """A KeyboardInterrupt in ``schedule()``'s tail, once the batch is chosen (a Ctrl-C
+    there once left the step in flight for good)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = True
+
+    def _note_blocks_in_use(self) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt("Ctrl-C in schedule's tail")
+        super()._note_blocks_in_use()
+
+
+def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+    outs: dict[str, list[int]] = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            return outs
+        for out in engine.step():
+            outs[out.request_id] = list(out.outputs[0].token_ids)
+    raise AssertionError("the engine did not drain")
+
+
+def test_a_keyboard_interrupt_in_schedules_tail_leaves_the_engine_serving() -> None:
+    engine = build_engine(CONFIG, spec=False, scheduler_cls=TailInterrupted)
+    ids = [add(engine, p, PARAMS) for p in PROMPTS]
+    with pytest.raises(KeyboardInterrupt, match="schedule's tail"):
+        engine.step()
+    sched = engine.scheduler
+    assert not sched._in_flight, "the interrupted step is still in flight"
+    assert sched.stats.failed_steps == 1 and sched.stats.steps == 0
+    engine.block_manager.check_invariants(sched.running)  # type: ignore[attr-defined]
+    assert engine.abort_request(ids[-1])
+    engine.block_manager.check_invariants(sched.running)  # type: ignore[attr-defined]
+    outs = _drain(engine)
+    assert [outs[i] for i in ids[:-1]] == [expected_tokens(p) for p in PROMPTS[:-1]]
+    assert_idle_and_whole(engine)
+
+
+class FailInStops(Scheduler):
+    """Raises in the stop check of ``fail_seq`` at its ``fail_at``-th token (after the
+    sequences before it in the batch have committed)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_seq: Any = None
+        self.fail_at = 1
+
+    def _stops(self, seq: Any, token: int) -> bool:
+        if seq is self.fail_seq and seq.num_completion_tokens == self.fail_at:
+            self.fail_seq = None
+            raise RuntimeError("injected in postprocess")
+        return super()._stops(seq, token)
+
+
+class FailInStopsOf(FailInStops):
+    """``FailInStops`` aimed at the sequence whose prompt starts with token 4."""
+
+    def _stops(self, seq: Any, token: int) -> bool:
+        if self.fail_at and seq.token_ids[0] == 4:
+            self.fail_seq = seq
+        return super()._stops(seq, token)
+
+
+def test_partial_outputs_hold_the_requests_the_failing_step_finished() -> None:
+    """Issue 28's defect 4: the step's postprocess finishes the first request, then
+    raises for the second; the first is complete and is handed back."""
+    config = replace(CONFIG, max_num_batched_tokens=64, num_kvcache_blocks=32)
+    engine = build_engine(config, spec=False, scheduler_cls=FailInStopsOf)
+    engine.scheduler.fail_at = 2  # type: ignore[attr-defined]
+    prompts = [[1, 2, 3], [4, 2, 3]]
+    params = [replace(PARAMS, max_tokens=2), replace(PARAMS, max_tokens=5)]
+    with pytest.raises(RuntimeError, match="injected in postprocess") as info:
+        engine.generate(prompts, params, use_tqdm=False)
+    partial = info.value.partial_outputs  # type: ignore[attr-defined]
+    assert [o.outputs[0].token_ids for o in partial] == [expected_tokens(prompts[0], params[0])]
+    assert partial[0].finished and partial[0].outputs[0].finish_reason == "length"
+    assert_idle_and_whole(engine)
+
+
+class NewsForRecovered(LLMEngine):
+    """Mutant (issue 28's first held-out bug): after a failed step, the results of the
+    sequences ``recover()`` preempted are noted too: news, and a first-token time, for
+    tokens that are gone."""
+
+    def _settle(self) -> None:
+        self.scheduler.recover()
+        self.outputs.settle(())
+
+
+class ChunksSampleNothing(CheckedRunner):
+    """The fake model as the real runner answers: None for a chunk that leaves the prompt
+    incomplete (the fake alone returns a token there, which the scheduler ignores)."""
+
+    def run(self, seqs: list[Any], is_prefill: bool) -> list[Any]:
+        ends = [s.num_cached_tokens + s.num_scheduled_tokens for s in seqs]
+        out = super().run(seqs, is_prefill)
+        samples = [end == s.num_tokens for s, end in zip(seqs, ends, strict=True)]
+        return [t if sampled else None for t, sampled in zip(out, samples, strict=True)]
+
+
+def check_no_news_for_recovered(engine_cls: type[LLMEngine]) -> None:
+    """B's prefill finishes in step 2, whose postprocess raises for it: B is recovered,
+    its first token dropped. It has no first-token time, and the next step, which only
+    recomputes its prompt (no prefix caching: two chunks), reports nothing."""
+    config = replace(CONFIG, enable_prefix_caching=False, num_kvcache_blocks=32)
+    engine = engine_cls(
+        ChunksSampleNothing(config, VOCAB, 100),
+        config,
+        vocab_size=VOCAB,
+        eos_token_id=0,
+        scheduler_cls=FailInStops,
+    )
+    a = add(engine, [1, 2], PARAMS)
+    b = add(engine, [3, 1, 4, 1, 3, 2, 2, 3], PARAMS)
+    sched: Any = engine.scheduler
+    sched.fail_seq = engine._requests[b].completions[0].seq
+    assert [o.request_id for o in engine.step()] == [a]  # A's first token, B's first chunk
+    with pytest.raises(RuntimeError, match="injected in postprocess"):
+        engine.step()  # B's last chunk and first token: recovered
+    assert engine._requests[b].first_token_time is None, "a first-token time for no token"
+    assert sched.stats.failed_steps == 1
+    assert engine.step() == [], "news for a request whose token was dropped"
+    outs = _drain(engine)
+    assert outs[b] == expected_tokens([3, 1, 4, 1, 3, 2, 2, 3])
+
+
+def test_no_news_nor_first_token_time_for_a_sequence_recover_preempted() -> None:
+    check_no_news_for_recovered(LLMEngine)
+
+
+def test_the_news_check_catches_news_for_recovered_sequences() -> None:
+    with pytest.raises(AssertionError, match="first-token time for no token"):
+        check_no_news_for_recovered(NewsForRecovered)

@@ -226,3 +226,64 @@ def test_ranks_count_strictly_larger_logprobs_so_ties_share_the_better_rank() ->
     assert len(got[2].top) == 4  # k beyond it is clamped
     assert [t for t, _ in got[2].top][:2] in ([1, 2], [2, 1]) and got[2].top[2][0] == 0
     assert got[3].top == ()
+
+
+# ---- n > 1 with prompt logprobs: computed once, by completion 0 (issue 28, defect 5) ----------
+
+
+def _prompt_run(n: int, prompt: list[int]) -> tuple[Any, Any]:
+    """One request through the engine on the logprobs fake (tests/fault_tracing.py), whose
+    prompt logprobs depend on the sampling seed: each completion computing the prompt
+    rows would give them its own values."""
+    from dataclasses import replace
+
+    from tests import fault_tracing as ft
+
+    config = replace(ft.CONFIG, max_num_batched_tokens=64, num_kvcache_blocks=40)
+    engine = ft.LLMEngine(
+        ft.LogprobsRunner(config, ft.VOCAB, 100), config, vocab_size=ft.VOCAB, eos_token_id=None
+    )
+    params = SamplingParams(temperature=1.0, seed=11, n=n, max_tokens=3, prompt_logprobs=2)
+    (out,) = engine.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    return out, engine.scheduler.stats
+
+
+def test_n_completions_return_the_prompt_logprobs_of_one_computation() -> None:
+    prompt = [1, 2, 3, 4, 5, 1, 2]  # 3 full blocks of 2, then one token
+    alone, alone_stats = _prompt_run(1, prompt)
+    three, stats = _prompt_run(3, prompt)
+    assert alone.prompt_logprobs[0] is None and None not in alone.prompt_logprobs[1:]
+    assert three.prompt_logprobs == alone.prompt_logprobs  # completion 0's values only
+    # The prompt is computed once: completions 1 and 2 hit completion 0's full blocks and
+    # compute the last token alone.
+    assert alone_stats.prefill_tokens == len(prompt)
+    assert stats.cached_prompt_tokens == 2 * 6
+    assert stats.prefill_tokens == len(prompt) + 2 * 1
+
+
+def test_n_completions_compute_the_prompt_once_on_the_real_model(tiny_model_dir: Path) -> None:
+    from paged_engine import LLM
+
+    llm = LLM(
+        tiny_model_dir,
+        num_kvcache_blocks=32,
+        kvcache_block_size=4,
+        max_model_len=64,
+        dtype="float32",
+    )
+    prompt = PROMPT[:14]  # 3 full blocks of 4, then two tokens
+    one = SamplingParams(temperature=0.8, seed=5, max_tokens=2, prompt_logprobs=3)
+    (alone,) = llm.generate({"prompt_token_ids": prompt}, one, use_tqdm=False)
+    from dataclasses import replace
+
+    (two,) = llm.generate({"prompt_token_ids": prompt}, replace(one, n=2), use_tqdm=False)
+    stats = llm.last_run_stats
+    assert stats is not None
+    assert stats.prefill_tokens == len(prompt) + (len(prompt) - 12)
+    assert stats.cached_prompt_tokens == 12
+    assert len(two.prompt_logprobs) == len(prompt) and two.prompt_logprobs[0] is None
+    for got, want in zip(two.prompt_logprobs[1:], alone.prompt_logprobs[1:], strict=True):
+        assert got.keys() == want.keys()
+        for t in got:
+            assert abs(got[t].logprob - want[t].logprob) <= TOL
+            assert got[t].rank == want[t].rank

@@ -26,9 +26,9 @@ an exception anywhere leaves a state that the tokens it has seen determine. A co
 whose sequence lost tokens (defensive: recovery never drops a token text was made from)
 starts again from none.
 
-Cost: one or two ``decode`` calls over a few tokens per completion per step (about 1 us
-through DecodeStream). ``generate`` without stop strings never pays it: it decodes each
-completion once, when it finishes.
+Cost: one or two ``decode`` calls over a few tokens per completion per step (in Rust,
+without a Python call per decode, through DecodeStream). ``generate`` without stop strings
+never pays it: it decodes each completion once, when it finishes.
 """
 
 from __future__ import annotations

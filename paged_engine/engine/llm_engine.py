@@ -7,11 +7,16 @@ the whole loop be verified with a deterministic fake model in milliseconds, and 
 runner (``worker/model_runner.py``) plug in unchanged.
 
 Every request is parsed and validated in full before any state changes (``inputs.py``): a
-refused request leaves the engine exactly as it was. Steps are atomic (the scheduler's
-docstring): a step that raises leaves every request committed or preempted, and the engine
-keeps serving. Text comes after the step commits: a failure while detokenising leaves the
-affected completions behind, and the next ``step()`` finishes that work first, before it
-computes anything new, so no output is lost and no stop string is passed over.
+refused request leaves the engine exactly as it was.
+
+Faults are part of the contract: an exception or a KeyboardInterrupt at any call of a step
+leaves the engine consistent and serving (tests/test_fault_points.py injects one at every
+call site a traced step reaches). Scheduling, the model and the scheduler's bookkeeping
+share one ``try``: whatever raises there, ``recover()`` preempts what the step had not
+committed (the scheduler's "Atomic steps"). Everything after the commit (noting results,
+text, the outputs) is idempotent work that the next step, ``abort_request`` or
+``generate``'s cleanup finishes first (``_settle``, ``OutputProcessor``), so no output is
+lost, none is reported twice, and no stop string is passed over.
 """
 
 from __future__ import annotations
@@ -23,12 +28,12 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from paged_engine.config import EngineConfig
+from paged_engine.engine.batch import attach_partial_outputs, pair_prompts
 from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.detokenizer import make_detokenizer, stream_backend
 from paged_engine.engine.inputs import (
     Tokenizer,
     check_request,
-    is_single_prompt,
     parse_params,
     parse_prompt,
 )
@@ -241,10 +246,10 @@ class LLMEngine:
         did not return.
 
         If anything raises (the scheduler, the model runner, the sampler, the tokenizer,
-        KeyboardInterrupt), the same exception propagates and nothing is lost: the
-        scheduler has recovered (every sequence committed or preempted), and text still
-        to produce is produced by the next call before it computes anything. On an idle
-        engine it returns ``[]`` and changes nothing.
+        KeyboardInterrupt, wherever it strikes), the same exception propagates and nothing
+        is lost: the scheduler has recovered (every sequence committed or preempted), and
+        what the step left undone (news, text, outputs) is done by the next call before it
+        computes anything. On an idle engine it returns ``[]`` and changes nothing.
         """
         return self._step(report_running=True)
 
@@ -294,28 +299,10 @@ class LLMEngine:
                 "generate() needs an idle engine: requests added with add_request() are "
                 "unfinished; drive them with step() first"
             )
-        batch = [prompts] if is_single_prompt(prompts) else prompts
-        if not isinstance(batch, list | tuple):
-            raise TypeError(
-                "prompts must be a prompt (a string, token ids or a prompt dict) or a list "
-                f"of them, got {type(prompts).__name__}"
-            )
-        if not batch:
-            raise ValueError("prompts is empty")
-        if params is None or isinstance(params, SamplingParams | dict):
-            per_prompt: list[object] = [params] * len(batch)
-        elif isinstance(params, list | tuple):
-            per_prompt = list(params)
-            if len(per_prompt) != len(batch):
-                raise ValueError(f"got {len(per_prompt)} sampling params for {len(batch)} prompts")
-        else:
-            raise TypeError(
-                "sampling_params must be SamplingParams or a list of them, "
-                f"got {type(params).__name__}"
-            )
+        pairs = pair_prompts(prompts, params)
         requests = [
             self._build(str(self._next_id + i), p, sp, f"prompt {i}", stream=False)
-            for i, (p, sp) in enumerate(zip(batch, per_prompt, strict=True))
+            for i, (p, sp) in enumerate(pairs)
         ]
         self._next_id += len(requests)
         return self._run_to_completion(requests, use_tqdm)
@@ -343,18 +330,18 @@ class LLMEngine:
             self.last_run_stats = run_stats(
                 before, stats, len(requests), self.num_blocks, progress.elapsed
             )
+            progress.close()
+            return [outputs[r.request_id] for r in requests]
         except BaseException as exc:
             try:
                 self._salvage(requests, outputs)
             finally:
                 self.abort_request([r.request_id for r in requests])
             partial = [outputs[r.request_id] for r in requests if r.request_id in outputs]
-            _attach_partial_outputs(exc, partial)
-            raise
-        finally:
+            attach_partial_outputs(exc, partial)
             if progress is not None:
                 progress.close()
-        return [outputs[r.request_id] for r in requests]
+            raise
 
     def _salvage(self, requests: list[Request], outputs: dict[str, RequestOutput]) -> None:
         """After a step raised: add to ``outputs`` every request of ``requests`` that has
@@ -372,12 +359,3 @@ class LLMEngine:
                 continue
             if not any(c in behind for c in r.completions):
                 outputs[r.request_id] = r.output()
-
-
-def _attach_partial_outputs(exc: BaseException, outputs: list[RequestOutput]) -> None:
-    try:
-        exc.partial_outputs = outputs  # type: ignore[attr-defined]
-    except (AttributeError, TypeError):  # an exception type with __slots__: nothing to do
-        return
-    if outputs and hasattr(exc, "add_note"):
-        exc.add_note(f"generate: {len(outputs)} request(s) had finished: see .partial_outputs")

@@ -213,33 +213,35 @@ class OutputProcessor:
         n = c.seq.num_completion_tokens
         for i in range(len(c.decoded), min(n, len(c.logprobs))):
             _put(c.decoded, i, _as_dict(c.logprobs[i], tok))
-        decoded = request.decoded_prompt_logprobs
-        # Rows are stored in order, and decoded once the last one is (see ``_note``).
-        if c.index == 0 and request.prompt_logprobs and decoded[-1] is None:
-            for p, lp in enumerate(request.prompt_logprobs):
-                if lp is not None and decoded[p] is None:
-                    decoded[p] = _as_dict(lp, tok)
+        if c.index == 0 and request.prompt_logprobs:
+            decoded = request.decoded_prompt_logprobs
+            if decoded[-1] is None:  # rows are decoded together: the last one means all
+                for p, lp in enumerate(request.prompt_logprobs):
+                    if lp is not None and decoded[p] is None:
+                        decoded[p] = _as_dict(lp, tok)
 
     def report(self, report_running: bool) -> list[RequestOutput]:
         """Outputs for the requests with news; finished requests leave the engine."""
-        built = []
-        done = []
+        outputs: list[RequestOutput] = []
+        sent: list[tuple[Completion, int, int]] = []
+        done: list[Request] = []
         for request in self.unreported.values():
-            if request.finished:
-                built.append(request.snapshot())
-                done.append(request)
-            elif report_running:
-                built.append(request.snapshot())
-        # Delivery: nothing below calls into the engine, so it cannot stop halfway.
-        for _, sent in built:
-            for c, tokens, chars in sent:
-                c.sent_tokens, c.sent_text = tokens, chars
+            finished = request.finished
+            if finished or report_running:
+                out, marks = request.snapshot()
+                outputs.append(out)
+                sent += marks
+                if finished:
+                    done.append(request)
+        # Delivery: nothing below calls a Python function, so it cannot stop halfway.
+        for c, tokens, chars in sent:
+            c.sent_tokens, c.sent_text = tokens, chars
         for request in done:
             del self.requests[request.request_id]
             for c in request.completions:
                 self.owner.pop(c.seq, None)
         self.unreported.clear()
-        return [out for out, _ in built]
+        return outputs
 
 
 def _shown(c: Completion, params: SamplingParams) -> int:
