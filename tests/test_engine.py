@@ -364,3 +364,21 @@ def test_the_text_of_the_token_that_stopped_a_request(stream: bool, include: boo
         assert (c.token_ids, c.finish_reason, c.stop_reason) == (tokens, "stop", reason)
         shown = tokens if include else tokens[:-1]
         assert c.text == "".join(f"<{t}>" for t in shown)
+
+
+def test_a_stream_gets_its_prompt_logprobs_with_its_first_token() -> None:
+    """vLLM returns prompt logprobs with the first output; a stream without a tokenizer
+    (nothing else makes its completion's text each step) once got them only at the end."""
+    from tests import fault_tracing as ft
+
+    engine = LLMEngine(ft.LogprobsRunner(ft.CONFIG, ft.VOCAB, 100), ft.CONFIG, vocab_size=ft.VOCAB)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]  # two chunks
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    first, last = outs[0], outs[-1]
+    assert len(first.outputs[0].token_ids) == 1 and not first.finished
+    assert first.prompt_logprobs is not None and first.prompt_logprobs[0] is None
+    assert None not in first.prompt_logprobs[1:]
+    assert first.prompt_logprobs == last.prompt_logprobs

@@ -346,6 +346,37 @@ def test_a_keyboard_interrupt_in_schedules_tail_leaves_the_engine_serving() -> N
     assert_idle_and_whole(engine)
 
 
+class RecoveryInterrupted(TailInterrupted):
+    """``TailInterrupted``, then more Ctrl-Cs as recovery starts, twice (in ``schedule()``'s
+    own handler, then in the step's): the step is left in flight."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.interrupts = 2
+
+    def recover(self) -> list[Any]:
+        if self.interrupts and self._in_flight:
+            self.interrupts -= 1
+            raise KeyboardInterrupt("Ctrl-C during recovery")
+        return super().recover()
+
+
+def test_after_an_interrupted_recovery_abort_and_the_next_step_recover_first() -> None:
+    engine = build_engine(CONFIG, spec=False, scheduler_cls=RecoveryInterrupted)
+    ids = [add(engine, p, PARAMS) for p in PROMPTS]
+    with pytest.raises(KeyboardInterrupt, match="during recovery"):
+        engine.step()
+    sched = engine.scheduler
+    assert sched._in_flight, "the test's premise: the step is left in flight"
+    assert engine.abort_request(ids[0])
+    assert not sched._in_flight
+    assert all(s.block_table == [] for s in sched.waiting)
+    engine.block_manager.check_invariants(sched.running)  # type: ignore[attr-defined]
+    outs = _drain(engine)
+    assert [outs[i] for i in ids[1:]] == [expected_tokens(p) for p in PROMPTS[1:]]
+    assert_idle_and_whole(engine)
+
+
 class FailInStops(Scheduler):
     """Raises in the stop check of ``fail_seq`` at its ``fail_at``-th token (after the
     sequences before it in the batch have committed)."""
