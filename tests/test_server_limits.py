@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from paged_engine.entrypoints.settings import ServerSettings
 from tests.test_server_support import ENGINE, MODEL, PROMPTS, TEMPLATE, Live, live_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -201,3 +202,17 @@ def test_a_long_tokenization_holds_up_no_other_request(
     assert answered_meanwhile, "a request waited for another's tokenization"
     assert answers["short"].status_code == 200 and answers["long"].status_code == 200
     assert answers["long"].json()["usage"]["prompt_tokens"] > 200
+
+
+@pytest.mark.parametrize(
+    "field", ["max_prompt_chars", "max_request_body_bytes", "tokenize_threads", "max_queue"]
+)
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "8"])
+def test_a_bad_limit_is_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must be an int >= 1, got {value!r}$"):
+        ServerSettings(served_model_name=MODEL, **{field: value})
+
+
+def test_the_limits_default_to_the_model_and_16_mib() -> None:
+    s = ServerSettings(served_model_name=MODEL)
+    assert s.max_prompt_chars is None and s.max_request_body_bytes == 16 * 1024 * 1024

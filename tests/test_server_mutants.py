@@ -47,7 +47,7 @@ def test_a_loop_that_never_aborts_is_caught(clean: Live, monkeypatch: pytest.Mon
 def test_giving_up_on_the_first_failed_step_is_caught(
     clean: Live, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(clean.server.loop._quarantine, "threshold", 1)
+    monkeypatch.setattr(clean.server.loop._routes.quarantine, "threshold", 1)
     with pytest.raises(AssertionError, match="error: the engine failed 1 steps"):
         check_retried_fault(clean, LLM(tiny_model_dir, **ENGINE))
 
@@ -102,7 +102,8 @@ def test_an_abort_from_the_event_loop_thread_is_caught(
     loop = clean.server.loop
 
     def abort_here(request_ids: Any) -> None:  # touches the engine from the caller's thread
-        loop._routes = {k: v for k, v in loop._routes.items() if k not in request_ids}
+        for r in request_ids:
+            loop._routes._routes.pop(r, None)
         loop._engine.abort_request(list(request_ids))
 
     monkeypatch.setattr(loop, "abort", abort_here)

@@ -41,6 +41,8 @@ LONG = dict(
         (["--api-key", ""], "--api-key must be a non-empty string"),
         (["--block-size", "0"], "--block-size must be an int >= 1, got 0"),
         (["--log-level", "loud"], "--log-level: invalid choice"),
+        (["--max-prompt-chars", "0"], "--max-prompt-chars: must be an int >= 1, got 0"),
+        (["--max-request-body-bytes", "0"], "--max-request-body-bytes: must be an int >= 1"),
     ],
 )
 def test_bad_serve_flags_are_refused_by_name_before_the_model_loads(
@@ -60,7 +62,8 @@ def test_serve_help_shows_the_server_flags_and_defaults(
         cli(["serve", "--help"])
     out = capsys.readouterr().out
     for text in ("--host HOST", "(default: 127.0.0.1)", "--max-queue N", "(default: 1024)",
-                 "PAGED_ENGINE_API_KEY", "--max-model-len", "--block-size"):  # fmt: skip
+                 "PAGED_ENGINE_API_KEY", "--max-model-len", "--block-size", "--max-prompt-chars N",
+                 "--max-request-body-bytes N", "(default: 16777216)"):  # fmt: skip
         assert text in out, text
 
 

@@ -16,10 +16,11 @@ and the prompts of that request that were added are aborted again (abort of a re
 never ran changes nothing else), so nothing is queued. Prompts come tokenized (the server
 tokenizes in its own threads), so this thread spends its time on steps.
 
-Every request runs in the engine with ``RequestOutputKind.DELTA``: one that was asked for
-``FINAL_ONLY`` has its deltas merged here (``gather``) and delivered once, finished. So
-each step reports every request it advanced, which is how the metrics measure every
-request's inter-token latency and how the loop knows which requests a step advanced.
+The requests in flight are ``routes``' table: every request runs in the engine with
+``RequestOutputKind.DELTA``, one that was asked for ``FINAL_ONLY`` has its deltas merged
+(``gather``) and delivered once, finished. So each step reports every request it
+advanced, which is how the metrics measure every request's inter-token latency and how
+the table knows which requests a step advanced.
 
 Faults: ``LLMEngine.step()`` recovers before it re-raises (every sequence committed or
 preempted), so the loop steps again. Failures in a row make ``isolation`` look for the
@@ -42,21 +43,18 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from paged_engine.engine.llm_engine import LLMEngine
-from paged_engine.engine.request import RequestOutput
-from paged_engine.entrypoints.gather import Gathered
-from paged_engine.entrypoints.isolation import Quarantine, Suspect
 from paged_engine.entrypoints.loop_types import (
     EngineSnapshot,
     EngineUnavailable,
     Event,
     NoObserver,
     Observer,
-    RequestFailed,
 )
-from paged_engine.sampling_params import RequestOutputKind, SamplingParams
+from paged_engine.entrypoints.routes import Batch, Routes
+from paged_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +81,6 @@ class _Stop:
     pass
 
 
-@dataclass(slots=True)
-class _Route:
-    """The engine thread's record of one request: where its outputs go, and what it takes
-    to add it again after ``isolation`` parked it."""
-
-    sink: asyncio.Queue[Event]
-    prompt: object
-    params: SamplingParams
-    """As the engine runs it (``DELTA``)."""
-    arrival_time: float
-    gather: Gathered | None
-    """Set when the client wants one final output (the deltas are merged here)."""
-    seen: bool = False
-    """Its client has received an output (a stream cannot be taken back)."""
-    confirmed: bool = False
-    """It produced a token in a successful step since it was (re-)added."""
-    parked: bool = False
-    """Taken out of the engine by ``isolation``, to be added again."""
-
-
 class EngineLoop:
     """See the module docstring. ``start(loop)`` binds it to the event loop that reads
     the outputs; ``submit``/``abort``/``begin_shutdown``/``stop`` may be called from any
@@ -114,10 +92,8 @@ class EngineLoop:
         self._engine = engine
         self.observer: Observer = observer or NoObserver()
         self._commands: queue.Queue[_Add | _Abort | _Drain | _Stop] = queue.Queue()
-        self._routes: dict[str, _Route] = {}
-        """Engine thread only: every request in flight (parked too), in admission order."""
-        self._quarantine = Quarantine(max_step_failures)
-        """Engine thread only: the search for a request that makes every step fail."""
+        self._routes = Routes(self._owned, self.observer, self._post, max_step_failures)
+        """Engine thread only: the requests in flight."""
         self._deadline: float | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -152,7 +128,7 @@ class EngineLoop:
     @property
     def max_step_failures(self) -> int:
         """Failed steps in a row before the loop looks for the request at fault."""
-        return self._quarantine.threshold
+        return self._routes.quarantine.threshold
 
     @property
     def draining(self) -> bool:
@@ -213,7 +189,7 @@ class EngineLoop:
         except BaseException as exc:
             self.fatal = f"the engine loop died: {exc!r}"
             log.exception("the engine loop died")
-            self._fail_all(self.fatal, 500)
+            self._routes.fail_all(self.fatal, 500)
         finally:
             with self._close_lock:
                 self._closed = True
@@ -221,23 +197,24 @@ class EngineLoop:
             self._refuse_pending()
 
     def _serve(self) -> None:
+        routes = self._routes
         while True:
             engine = self._owned()
-            self._release()
-            idle = not engine.has_unfinished_requests() and not self._quarantine.parked
+            routes.release()
+            idle = not engine.has_unfinished_requests() and not routes.parked
             if not self._take_commands(block=idle):
-                self._fail_all("the server is shutting down", 503)
+                routes.fail_all("the server is shutting down", 503)
                 return
             if self._deadline is not None and time.monotonic() >= self._deadline:
-                self._fail_all("the server is shutting down", 503)
-            self._release()
+                routes.fail_all("the server is shutting down", 503)
+            routes.release()
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
                 except Exception as exc:
-                    self._step_failed(exc)
+                    routes.step_failed(exc)
                 else:
-                    self._dispatch(outputs)
+                    routes.dispatch(outputs)
             self._publish()
 
     def _take_commands(self, block: bool) -> bool:
@@ -252,7 +229,7 @@ class EngineLoop:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
-                self._abort(command.request_ids)
+                self._routes.abort(command.request_ids)
             elif self._deadline is None:
                 self._deadline = command.deadline
             try:
@@ -264,130 +241,14 @@ class EngineLoop:
         if self._deadline is not None:
             command.done.set_exception(EngineUnavailable("the server is shutting down"))
             return
-        engine = self._owned()
-        routes: dict[str, _Route] = {}
         try:
-            for request_id, prompt, params in command.requests:
-                final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
-                if final_only:
-                    params = replace(params, output_kind=RequestOutputKind.DELTA)
-                route = _Route(
-                    command.sink,
-                    prompt,
-                    params,
-                    command.arrival_time,
-                    Gathered() if final_only else None,
-                )
-                engine.add_request(request_id, prompt, params, arrival_time=command.arrival_time)
-                routes[request_id] = route
+            self._routes.add(command.requests, command.arrival_time, command.sink)
         except Exception as exc:
-            engine.abort_request(list(routes))  # nothing of this request stays queued
             command.done.set_exception(exc)
-            return
-        self._routes.update(routes)
-        self.observer.added(list(routes), command.arrival_time)
-        command.done.set_result(None)
+        else:
+            command.done.set_result(None)
 
-    def _abort(self, request_ids: tuple[str, ...]) -> None:
-        for r in request_ids:
-            route = self._routes.pop(r, None)
-            if route is None:
-                continue
-            if not route.parked:
-                self._owned().abort_request([r])
-            self._gone(r, "aborted")
-
-    def _gone(self, request_id: str, how: str) -> None:
-        self.observer.ended(request_id, how)
-        self._quarantine.gone(request_id)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        batch: list[tuple[asyncio.Queue[Event], Event]] = []
-        produced: set[str] = set()
-        for out in outputs:
-            rid = out.request_id
-            route = self._routes.get(rid)
-            if route is None:
-                continue
-            produced.add(rid)
-            route.confirmed = True
-            self.observer.output(out)
-            if out.finished:
-                del self._routes[rid]
-                self._gone(rid, "finished")
-            if route.gather is None:
-                route.seen = True
-                batch.append((route.sink, out))
-            else:
-                route.gather.add(out)
-                if out.finished:
-                    batch.append((route.sink, route.gather.result()))
-        self._quarantine.succeeded(produced)
-        self._post(batch)
-
-    # ---- faults --------------------------------------------------------------------------
-
-    def _step_failed(self, exc: Exception) -> None:
-        q = self._quarantine
-        log.exception("engine step failed (%d in a row)", q.failures + 1)
-        suspects = [
-            Suspect(r, route.gather is not None or not route.seen, route.confirmed)
-            for r, route in self._routes.items()
-            if not route.parked
-        ]
-        verdict = q.failed(suspects)
-        for r in verdict.park:
-            route = self._routes[r]
-            self._owned().abort_request([r])
-            route.parked, route.confirmed = True, False
-            if route.gather is not None:
-                route.gather.reset()
-        if verdict.park:
-            log.warning("engine steps keep failing: %d request(s) set aside", len(verdict.park))
-        message = (
-            f"the engine failed {q.threshold} steps in a row with this request in the "
-            f"batch: {exc!r}"
-        )
-        for r in verdict.fail:
-            self._fail(r, message, 500)
-
-    def _release(self) -> None:
-        """Add back the parked requests ``isolation`` clears for a probe."""
-        q = self._quarantine
-        if not q.parked:
-            return
-        engine = self._owned()
-        for r in q.release(idle=not engine.has_unfinished_requests()):
-            route = self._routes[r]
-            try:
-                engine.add_request(r, route.prompt, route.params, arrival_time=route.arrival_time)
-            except Exception as exc:  # it was accepted once; fail it rather than the loop
-                self._fail(r, f"the request could not be resumed: {exc!r}", 500)
-            else:
-                route.parked = False
-
-    def _fail(self, request_id: str, message: str, status: int) -> None:
-        route = self._routes.pop(request_id)
-        if not route.parked:
-            self._owned().abort_request([request_id])
-        self._post([(route.sink, RequestFailed(request_id, message, status))])
-        self._gone(request_id, "failed")
-
-    def _fail_all(self, message: str, status: int) -> None:
-        routes, self._routes = self._routes, {}
-        self._quarantine.clear()
-        if not routes:
-            return
-        try:
-            self._owned().abort_request([r for r, route in routes.items() if not route.parked])
-        finally:
-            batch: list[tuple[asyncio.Queue[Event], Event]] = []
-            for r, route in routes.items():
-                batch.append((route.sink, RequestFailed(r, message, status)))
-                self.observer.ended(r, "failed")
-            self._post(batch)
-
-    def _post(self, batch: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    def _post(self, batch: Batch) -> None:
         if batch and self._aloop is not None:
             # RuntimeError: the event loop is closed, nobody is listening any more
             with contextlib.suppress(RuntimeError):
@@ -420,6 +281,6 @@ class EngineLoop:
         )
 
 
-def _deliver(batch: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+def _deliver(batch: Batch) -> None:
     for sink, event in batch:
         sink.put_nowait(event)

@@ -39,12 +39,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.entrypoints.formatters import ChatFormatter, CompletionFormatter
-from paged_engine.entrypoints.http_errors import ApiKeyMiddleware, error_response
+from paged_engine.entrypoints.http_errors import ApiKeyMiddleware, add_error_handlers, refused_field
 from paged_engine.entrypoints.limits import (
     admit,
     check_prompt_chars,
@@ -65,7 +64,6 @@ from paged_engine.entrypoints.serving import (
     RequestError,
     chat_prompt,
     completion_prompts,
-    param_of,
     sampling_params,
     validation_error,
 )
@@ -82,16 +80,6 @@ from paged_engine.sampling_params import SamplingParams
 STOP_WAIT_S = 1.0
 """How long the application's shutdown waits for the engine thread to end (it is a daemon
 thread: a step still running past this does not hold the process)."""
-
-
-def refused_field(e: Exception, rename: dict[str, str]) -> str:
-    """The request field the engine refused, as the client spelled it."""
-    field = getattr(e, "field", None)  # an InvalidRequestError names it
-    if field is None:
-        return param_of(str(e), rename)
-    if field == "prompt_token_ids":  # the ids this server made of the prompt
-        field = "prompt"
-    return rename.get(field, field)
 
 
 class OpenAIServer:
@@ -157,21 +145,7 @@ class OpenAIServer:
         if self.settings.api_key is not None:
             app.add_middleware(ApiKeyMiddleware, api_key=self.settings.api_key)
 
-        async def request_error(request: Request, exc: Exception) -> Response:
-            assert isinstance(exc, RequestError)
-            self.metrics.rejected.labels(str(exc.status)).inc()
-            return error_response(exc.status, exc.message, exc.param, exc.code)
-
-        async def http_error(request: Request, exc: Exception) -> Response:
-            assert isinstance(exc, StarletteHTTPException)
-            return error_response(exc.status_code, str(exc.detail))
-
-        async def unexpected(request: Request, exc: Exception) -> Response:
-            return error_response(500, f"internal error: {exc!r}")
-
-        app.add_exception_handler(RequestError, request_error)
-        app.add_exception_handler(StarletteHTTPException, http_error)
-        app.add_exception_handler(Exception, unexpected)
+        add_error_handlers(app, lambda status: self.metrics.rejected.labels(str(status)).inc())
 
         @app.get("/health")
         async def health() -> Response:
@@ -316,7 +290,7 @@ class OpenAIServer:
                 self.loop.abort([r for r in ids if r in pending])
 
         try:
-            prompts = await self._prepare(prepare, rename)
+            prompts = await self.tokenize.prepared(prepare, rename.get("prompt", "prompt"))
             sink = await self.loop.submit(
                 list(zip(ids, prompts, [params] * len(ids), strict=True)), arrival
             )
@@ -343,17 +317,3 @@ class OpenAIServer:
         if outs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(fmt.response(outs).model_dump())
-
-    async def _prepare(
-        self, prepare: Callable[[], list[object]], rename: dict[str, str]
-    ) -> list[object]:
-        """The engine's prompts: tokenized, chat templates rendered, on the pool."""
-        try:
-            return await self.tokenize.run(prepare)
-        except (RequestError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # a template or tokenizer that raised: the input's fault
-            raise RequestError(
-                f"the prompt could not be tokenized: {exc}",
-                param=rename.get("prompt", "prompt"),
-            ) from exc

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from paged_engine.entrypoints.serving import RequestError
+
 T = TypeVar("T")
 
 _Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
@@ -43,6 +45,16 @@ class TokenizePool:
         future: asyncio.Future[T] = loop.create_future()
         self._jobs.put((fn, loop, future))
         return await future
+
+    async def prepared(self, job: Callable[[], list[object]], param: str) -> list[object]:
+        """``job``'s prompts for the engine (tokenized, a chat template rendered); a
+        tokenizer or template that raises is the input's fault: a 400 naming ``param``."""
+        try:
+            return await self.run(job)
+        except RequestError:
+            raise
+        except Exception as exc:
+            raise RequestError(f"the prompt could not be tokenized: {exc}", param=param) from exc
 
     def close(self) -> None:
         """Let the workers end once the queued jobs are done (returns at once)."""
