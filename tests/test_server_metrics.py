@@ -1,16 +1,17 @@
-"""The server's latency metrics are measured, not derived: over the fake model, whose
-runner sleeps a known, uneven time per decode step, the inter-token latency histogram of
-a request holds one observation per step with the step's own duration, streamed or not
-(a mean gap spread over the tokens would put them all in one bucket)."""
+"""The server's latency metrics are measured, not derived: over the fake model, with the
+engine's clock controlled (each decode step advances it by a known, uneven time), the
+inter-token latency histogram of a request holds one observation per step with the
+step's own duration, streamed or not (a mean gap spread over the tokens would put them
+all in one bucket)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
 
+import paged_engine.engine.output_processor as output_processor
 from paged_engine.config import EngineConfig
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.entrypoints.loop_types import RequestFailed
@@ -27,30 +28,45 @@ CONFIG = EngineConfig(
     kvcache_block_size=4,
     num_kvcache_blocks=64,
 )
-SLEEPS = [0.6, 0.0, 0.6, 0.0, 0.6, 0.0]
-"""Seconds each decode step sleeps: three gaps far above the 0.5 s bucket's bound, three
-far below 0.25 s; their mean (0.3 s) lies between."""
+STEPS = [0.6, 0.01, 0.6, 0.01, 0.6, 0.01]
+"""Seconds each decode step takes on the engine's clock: three gaps above the 0.5 s
+bucket's bound, three below 0.25 s; their mean (0.305 s) lies between."""
 
 
-class SleepingRunner(CheckedRunner):
+class Clock:
+    """The engine's wall clock (``time.time`` where it stamps token times), moved by hand."""
+
     def __init__(self) -> None:
+        self.now = 1000.0  # small: gaps exact to 1e-13
+
+    def time(self) -> float:
+        return self.now
+
+
+class TimedRunner(CheckedRunner):
+    """The fake model, each decode step advancing ``clock`` by the next of ``STEPS``."""
+
+    def __init__(self, clock: Clock) -> None:
         super().__init__(CONFIG, VOCAB, 1_000)
+        self.clock = clock
         self.decodes = 0
 
     def run(self, seqs: list[Any], is_prefill: bool) -> list[int]:
         if not is_prefill:
-            time.sleep(SLEEPS[self.decodes % len(SLEEPS)])
+            self.clock.now += STEPS[self.decodes % len(STEPS)]
             self.decodes += 1
         return super().run(seqs, is_prefill)
 
 
-def serve_one(kind: RequestOutputKind) -> dict[str, float]:
-    """One request of ``len(SLEEPS) + 1`` tokens through an engine loop; the metrics."""
+def serve_one(kind: RequestOutputKind, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """One request of ``len(STEPS) + 1`` tokens through an engine loop; the metrics."""
+    clock = Clock()
+    monkeypatch.setattr(output_processor, "time", clock)
     engine = build_engine(CONFIG, spec=False)
-    engine.model_runner = SleepingRunner()
+    engine.model_runner = TimedRunner(clock)
     metrics = ServerMetrics()
     params = SamplingParams(
-        temperature=0, max_tokens=len(SLEEPS) + 1, ignore_eos=True, output_kind=kind
+        temperature=0, max_tokens=len(STEPS) + 1, ignore_eos=True, output_kind=kind
     )
 
     async def main() -> None:
@@ -58,7 +74,7 @@ def serve_one(kind: RequestOutputKind) -> dict[str, float]:
         metrics.bind(loop)
         loop.start(asyncio.get_running_loop())
         try:
-            sink = await loop.submit([("r", [1, 2, 3], params)], time.time())
+            sink = await loop.submit([("r", [1, 2, 3], params)], clock.now)
             while True:
                 event = await asyncio.wait_for(sink.get(), 30)
                 assert not isinstance(event, RequestFailed), event
@@ -74,12 +90,14 @@ def serve_one(kind: RequestOutputKind) -> dict[str, float]:
 @pytest.mark.parametrize(
     "kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA], ids=["whole", "streamed"]
 )
-def test_inter_token_latency_is_each_steps_own_gap(kind: RequestOutputKind) -> None:
-    m = serve_one(kind)
+def test_inter_token_latency_is_each_steps_own_gap(
+    kind: RequestOutputKind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = serve_one(kind, monkeypatch)
     bucket = 'inter_token_latency_seconds_bucket{le="%s"}'
-    assert m["inter_token_latency_seconds_count"] == len(SLEEPS)
+    assert m["inter_token_latency_seconds_count"] == len(STEPS)
     # the three quick steps, and only they, are under 0.25 s; the slow ones above 0.5 s
-    assert m[bucket % "0.25"] == 3 and m[bucket % "0.5"] == 3, m
-    assert m[bucket % "+Inf"] == 6
-    assert sum(SLEEPS) <= m["inter_token_latency_seconds_sum"] < sum(SLEEPS) + 0.6
+    assert m[bucket % "0.025"] == 3 and m[bucket % "0.25"] == 3 and m[bucket % "0.5"] == 3, m
+    assert m[bucket % "0.75"] == 6
+    assert m["inter_token_latency_seconds_sum"] == pytest.approx(sum(STEPS))
     assert m["time_to_first_token_seconds_count"] == 1
