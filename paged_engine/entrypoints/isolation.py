@@ -5,7 +5,7 @@ preempted), but it does not say which request was at fault; a request that break
 step each time it is in the batch (a fault the engine's own checks did not catch) would
 otherwise make the loop fail every request in flight.
 
-The policy, decided here without touching the engine (``EngineLoop`` carries it out):
+The policy, decided here without touching the engine (``routes`` carries it out):
 
 * a failed step is retried; only ``threshold`` failures in a row make a suspicion;
 * the suspects are the requests whose client has seen nothing yet (not streamed, or
