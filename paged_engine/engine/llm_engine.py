@@ -159,7 +159,7 @@ class LLMEngine:
         parsed = parse_prompt(prompt, self.tokenizer, self.vocab_size, where)
         sp = parse_params(params, where)
         has_tok = self.tokenizer is not None
-        check_request(
+        sp = check_request(
             parsed.token_ids,
             sp,
             self.config,
@@ -167,6 +167,7 @@ class LLMEngine:
             where,
             has_tokenizer=has_tok,
             vocab_size=self.vocab_size,
+            tokenizer=self.tokenizer,
         )
         bs = self.config.kvcache_block_size
         salt = parsed.cache_salt
