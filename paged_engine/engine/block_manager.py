@@ -172,16 +172,19 @@ class BlockManager(BlockPool):
         table += hits
         num_fresh = seq.num_blocks - len(hits)
         if self._inline_fresh_block:
-            popitem, block_hashes = free.popitem, self.block_hashes
+            # As _fresh_block: unregistered while still free, held as soon as taken, so a
+            # fault anywhere leaves every block free or in the table (R12).
+            block_hashes = self.block_hashes
             for _ in range(num_fresh):
-                block = popitem(last=False)[0]
+                block = next(iter(free))
                 if block_hashes[block] is not None:
                     self._unregister(block)
+                del free[block]
                 ref_counts[block] = 1
                 table.append(block)
         else:
-            fresh_block = self._fresh_block
-            table += [fresh_block() for _ in range(num_fresh)]
+            for _ in range(num_fresh):
+                table.append(self._fresh_block())
         seq.num_cached_tokens = len(hits) * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:

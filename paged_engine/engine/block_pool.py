@@ -67,9 +67,12 @@ class BlockPool(BlockHasher):
 
         ``allocate`` inlines this unless a subclass overrides it.
         """
-        block, _ = self.free_blocks.popitem(last=False)
+        # Unregistered before it leaves the queue: a fault in between leaves a free block
+        # without a registration, never a block that is neither free nor held (R12).
+        block = next(iter(self.free_blocks))
         if self.block_hashes[block] is not None:
             self._unregister(block)
+        del self.free_blocks[block]
         self.ref_counts[block] = 1
         return block
 
