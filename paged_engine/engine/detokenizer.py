@@ -49,11 +49,7 @@ class IncrementalDetokenizer:
 
     __slots__ = ("_chunk", "_ids", "num_tokens", "skip_special_tokens", "text")
 
-    def __init__(
-        self, prompt_token_ids: SequenceABC[int] = (), skip_special_tokens: bool = True
-    ) -> None:
-        """``prompt_token_ids`` is accepted for callers that pass it and not read: the
-        prompt is no decoding context (see the module docstring)."""
+    def __init__(self, skip_special_tokens: bool = True) -> None:
         self.skip_special_tokens = skip_special_tokens
         self.reset()
 
@@ -124,7 +120,7 @@ class StreamingDetokenizer(IncrementalDetokenizer):
 
     def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
         self._backend = backend
-        super().__init__((), skip_special_tokens)
+        super().__init__(skip_special_tokens)
 
     def reset(self) -> None:
         super().reset()
@@ -201,7 +197,7 @@ def make_detokenizer(backend: Any | None, skip_special_tokens: bool) -> Incremen
     ``stream_backend``) when there is one, else the Python rule over ``decode``."""
     if backend is not None:
         return StreamingDetokenizer(backend, skip_special_tokens)
-    return IncrementalDetokenizer((), skip_special_tokens)
+    return IncrementalDetokenizer(skip_special_tokens)
 
 
 def _common_prefix(a: str, b: str) -> int:

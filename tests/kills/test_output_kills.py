@@ -130,7 +130,7 @@ class ByteTokenizer:
 
 
 def detokenize(steps: list[list[int]], skip: bool) -> list[str]:
-    detok = IncrementalDetokenizer([3], skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(skip_special_tokens=skip)
     return [detok.add(ByteTokenizer(), step) for step in steps]
 
 
@@ -147,7 +147,7 @@ def test_special_tokens_follow_the_completions_setting() -> None:
 def test_text_that_changes_in_context_is_emitted_from_the_common_prefix() -> None:
     # Alone "b" would follow "a"; in context the window reads "ac": only what is new since
     # the common prefix is emitted, never a character twice.
-    detok = IncrementalDetokenizer([4], skip_special_tokens=False)
+    detok = IncrementalDetokenizer(skip_special_tokens=False)
     assert detok.add(ByteTokenizer(), [3]) == "a"
     assert detok.add(ByteTokenizer(), [5]) == "c"
     assert detok.text == "ac" and detok.num_tokens == 2
@@ -202,7 +202,7 @@ class ContextTokenizer:
 
 def _steps(prompt: list[int], steps: list[list[int]], skip: bool) -> tuple[list[Any], Any]:
     """Each step's added text and then the flush (or the exception's type), and the text."""
-    detok = IncrementalDetokenizer(prompt, skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(skip_special_tokens=skip)
     out: list[Any] = []
     try:
         out += [detok.add(ContextTokenizer(), step) for step in steps]
