@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 
+import paged_engine.entrypoints.openai_requests as openai_requests
 import paged_engine.entrypoints.openai_server as openai_server
 from paged_engine import LLM
 from paged_engine.entrypoints.formatters import ChatFormatter, CompletionFormatter
@@ -61,7 +62,7 @@ class FirstChunkLost(CompletionFormatter):
 def test_a_stream_that_loses_a_chunk_is_caught(
     clean: Live, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(openai_server, "CompletionFormatter", FirstChunkLost)
+    monkeypatch.setattr(openai_requests, "CompletionFormatter", FirstChunkLost)
     client = openai.OpenAI(base_url=clean.url + "/v1", api_key="x", timeout=30, max_retries=0)
     with pytest.raises(AssertionError):
         check_stream(client, {})
@@ -80,7 +81,7 @@ def test_a_chat_stream_that_drops_the_stop_reason_is_caught(
     clean: Live, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     body = chat_body(clean, {"stop": "STOP"})
-    monkeypatch.setattr(openai_server, "ChatFormatter", ChatStopReasonLost)
+    monkeypatch.setattr(openai_requests, "ChatFormatter", ChatStopReasonLost)
     with pytest.raises(AssertionError, match="stop_reason None streamed"):
         check_equal(clean, "chat/completions", body)
 

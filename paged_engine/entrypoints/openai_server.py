@@ -7,17 +7,18 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 "code"}}``. With an API key every route but ``/health`` needs ``Authorization: Bearer``.
 
 The life of a request: a body over ``max_request_body_bytes`` is a 413 before it is
-parsed; it is parsed and validated (pydantic, then ``SamplingParams``), each a 400 naming
-the field; a text prompt (or conversation) over ``max_prompt_chars`` is a 400 before it is
-tokenized (``limits``); a request needing more sequences (prompts times ``n``) than
-``max_queue`` is a 400, one that would fit later a 503 (the server is full, or shutting
-down); its prompts are tokenized (chat templates rendered) on the ``TokenizePool``'s
-threads, beside the event loop and the engine; then ``EngineLoop.submit`` adds them all on
-the engine thread (a refusal there, such as a prompt longer than ``max_model_len``, is a
-400 and leaves nothing queued). An unknown ``model`` is a 404. A streamed request answers with
-server-sent events, one chunk per new token, then ``data: [DONE]``; the others wait for
-their final outputs. A client that goes away (the stream is cancelled, or a non-streamed
-request sees ``http.disconnect``) has its requests aborted at once, freeing their blocks.
+parsed; it is parsed and validated (pydantic, then the route's own checks and
+``SamplingParams``: ``openai_requests``), each a 400 naming the field; a text prompt (or
+conversation) over ``max_prompt_chars`` is a 400 before it is tokenized (``limits``); a
+request needing more sequences (prompts times ``n``) than ``max_queue`` is a 400, one that
+would fit later a 503 (the server is full, or shutting down); its prompts are tokenized
+(chat templates rendered) on the ``TokenizePool``'s threads, beside the event loop and the
+engine; then ``EngineLoop.submit`` adds them all on the engine thread (a refusal there,
+such as a prompt longer than ``max_model_len``, is a 400 and leaves nothing queued). An
+unknown ``model`` is a 404. A streamed request answers with server-sent events, one chunk
+per new token, then ``data: [DONE]``; the others wait for their final outputs. A client
+that goes away (the stream is cancelled, or a non-streamed request sees
+``http.disconnect``) has its requests aborted at once, freeing their blocks.
 
 Shutdown (SIGTERM, SIGINT): uvicorn stops accepting connections; the engine loop refuses
 new requests and lets the running ones go on for ``shutdown_timeout`` seconds, then
@@ -30,8 +31,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -42,31 +42,23 @@ from pydantic import ValidationError
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.entrypoints.engine_loop import EngineLoop
-from paged_engine.entrypoints.formatters import ChatFormatter, CompletionFormatter
 from paged_engine.entrypoints.http_errors import ApiKeyMiddleware, add_error_handlers, refused_field
-from paged_engine.entrypoints.limits import (
-    admit,
-    check_prompt_chars,
-    prompt_char_limit,
-    prompt_too_long,
-    read_body,
-    text_chars,
-)
+from paged_engine.entrypoints.limits import admit, prompt_char_limit, read_body
 from paged_engine.entrypoints.loop_types import EngineUnavailable
 from paged_engine.entrypoints.metrics import ServerMetrics
+from paged_engine.entrypoints.openai_requests import (
+    PreparedRequest,
+    check_model,
+    prepare_chat,
+    prepare_completion,
+)
 from paged_engine.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
 )
-from paged_engine.entrypoints.serving import (
-    RequestError,
-    chat_prompt,
-    completion_prompts,
-    sampling_params,
-    validation_error,
-)
+from paged_engine.entrypoints.serving import RequestError, validation_error
 from paged_engine.entrypoints.settings import ServerSettings
 from paged_engine.entrypoints.streaming import (
     EngineStream,
@@ -74,8 +66,7 @@ from paged_engine.entrypoints.streaming import (
     stream_events,
     until_disconnect,
 )
-from paged_engine.entrypoints.tokenize_pool import TokenizePool, encoder
-from paged_engine.sampling_params import SamplingParams
+from paged_engine.entrypoints.tokenize_pool import TokenizePool
 
 STOP_WAIT_S = 1.0
 """How long the application's shutdown waits for the engine thread to end (it is a daemon
@@ -182,102 +173,46 @@ class OpenAIServer:
         except ValidationError as e:
             raise validation_error(e) from None
 
-    def _check_model(self, name: str) -> None:
-        if name != self.settings.served_model_name:
-            raise RequestError(
-                f"the model {name!r} does not exist; this server serves "
-                f"{self.settings.served_model_name!r}",
-                status=404,
-                param="model",
-                code="model_not_found",
-                type_="not_found_error",
-            )
-
     async def _completions(self, request: Request) -> Response:
         arrival = time.time()
         body: CompletionRequest = await self._parse(request, CompletionRequest)
-        self._check_model(body.model)
-        if body.suffix is not None:
-            raise RequestError("suffix is not supported", param="suffix")
-        if body.best_of is not None and body.best_of != body.n:
-            raise RequestError("best_of must equal n (or be omitted)", param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise RequestError("echo with logprobs is not supported", param="echo")
-        prompts = completion_prompts(body)
-        check_prompt_chars(prompts, self.max_prompt_chars)
-        max_tokens = 16 if "max_tokens" not in body.model_fields_set else body.max_tokens
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, rename={})
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        ids = [f"{rid}-{i}" for i in range(len(prompts))]
-        fmt = CompletionFormatter(
-            rid,
-            body.model,
-            int(arrival),
-            ids,
-            body.n,
-            echo_texts=[str(p) for p in prompts] if body.echo else None,
-            logprobs=body.logprobs is not None,
-            return_token_ids=body.return_token_ids,
+        check_model(body.model, self.settings.served_model_name)
+        work = prepare_completion(
+            body,
+            tokenizer=self.tokenizer,
+            max_prompt_chars=self.max_prompt_chars,
+            created=int(arrival),
         )
-        encode = encoder(self.tokenizer, prompts)
-        return await self._serve(request, body, ids, params, encode, fmt, arrival, rename={})
+        return await self._serve(request, work, arrival)
 
     async def _chat(self, request: Request) -> Response:
         arrival = time.time()
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        self._check_model(body.model)
-        if not self.has_chat_template or self.tokenizer is None:
-            raise RequestError(
-                "this model has no chat template: start the server with --chat-template "
-                "(a Jinja template or a file holding one), or use /v1/completions",
-                param="messages",
-            )
-        if body.top_logprobs is not None and not body.logprobs:
-            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        given = {"max_tokens", "max_completion_tokens"} & body.model_fields_set
-        limit_name = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
-        max_tokens = getattr(body, limit_name)
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        rename = {"prompt": "messages", "max_tokens": limit_name, "logprobs": "top_logprobs"}
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=k, rename=rename)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        chars = text_chars([m.model_dump(exclude_none=True) for m in body.messages])
-        if chars > self.max_prompt_chars:
-            raise prompt_too_long("the conversation", chars, self.max_prompt_chars, "messages")
-        render = chat_prompt(self.tokenizer, body, self.settings.chat_template)
-        fmt = ChatFormatter(
-            rid,
-            body.model,
-            int(arrival),
-            [rid],
-            body.n,
-            top_logprobs=k,
-            return_token_ids=body.return_token_ids,
+        check_model(body.model, self.settings.served_model_name)
+        work = prepare_chat(
+            body,
+            tokenizer=self.tokenizer,
+            chat_template=self.settings.chat_template,
+            has_chat_template=self.has_chat_template,
+            max_prompt_chars=self.max_prompt_chars,
+            created=int(arrival),
         )
-        return await self._serve(
-            request, body, [rid], params, lambda: [render()], fmt, arrival, rename
-        )
+        return await self._serve(request, work, arrival)
 
-    async def _serve(
-        self,
-        request: Request,
-        body: CompletionRequest | ChatCompletionRequest,
-        ids: list[str],
-        params: SamplingParams,
-        prepare: Callable[[], list[object]],
-        fmt: CompletionFormatter | ChatFormatter,
-        arrival: float,
-        rename: dict[str, str],
-    ) -> Response:
-        """Admit, tokenize (``prepare``, on the pool), submit, and answer (a stream or a
-        whole response)."""
+    async def _serve(self, request: Request, work: PreparedRequest, arrival: float) -> Response:
+        """Admit, tokenize (``work.prepare``, on the pool), submit, and answer (a stream or
+        a whole response); the same for both routes. Whatever raises or ends the request,
+        ``release`` gives its room in ``max_queue`` back and aborts what is still queued."""
+        ids, rename = work.ids, work.rename
         loop = self.loop
         unavailable = (
             None
             if loop.alive and not loop.draining
             else loop.fatal or "the server is shutting down"
         )
-        units = admit(len(ids), params.n, self.settings.max_queue, self.held, rename, unavailable)
+        units = admit(
+            len(ids), work.params.n, self.settings.max_queue, self.held, rename, unavailable
+        )
         self.held += units
         pending = set(ids)
         released = False
@@ -290,9 +225,9 @@ class OpenAIServer:
                 self.loop.abort([r for r in ids if r in pending])
 
         try:
-            prompts = await self.tokenize.prepared(prepare, rename.get("prompt", "prompt"))
+            prompts = await self.tokenize.prepared(work.prepare, rename.get("prompt", "prompt"))
             sink = await self.loop.submit(
-                list(zip(ids, prompts, [params] * len(ids), strict=True)), arrival
+                list(zip(ids, prompts, [work.params] * len(ids), strict=True)), arrival
             )
         except (ValueError, TypeError) as e:
             release()
@@ -306,9 +241,10 @@ class OpenAIServer:
         except BaseException:
             release()
             raise
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            events = stream_events(sink, pending, fmt, usage)
+        if work.body.stream:
+            options = work.body.stream_options
+            usage = options is not None and options.include_usage
+            events = stream_events(sink, pending, work.formatter, usage)
             return EngineStream(events, on_close=release)
         try:
             outs = await until_disconnect(request, collect(sink, pending, ids))
@@ -316,4 +252,4 @@ class OpenAIServer:
             release()
         if outs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(fmt.response(outs).model_dump())
+        return JSONResponse(work.formatter.response(outs).model_dump())
