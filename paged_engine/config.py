@@ -53,18 +53,16 @@ class EngineConfig:
 
     Why smaller on CPU: under prefill-first scheduling a request's first token comes with
     the step that finishes its prompt, so one large step holds every first token of the
-    batch behind it. On CPU a 1,024-token step already keeps the GEMMs at their full rate.
-    Measured (``bench/test_budget_bench.py``: the e2e workload, one thread, budgets
-    alternated in one process, fastest of 3 rounds), 1,024 against 8,192: mean time to
-    first token 0.62-0.68x on the tiny and the 29M model in float32 and bfloat16 (29M
-    float32: 5.21 -> 3.47 s), output tok/s 1.00-1.16x."""
+    batch behind it. On CPU a 1,024-token step already keeps the GEMMs at their full rate,
+    so the smaller budget brings first tokens earlier at no cost in throughput
+    (``bench/test_budget_bench.py`` measures both budgets; figures in the README)."""
     max_num_seqs: int = 256
     max_model_len: int = 4096
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None
     enable_prefix_caching: bool = True
     prefix_cache_hash: PrefixCacheHash = "xxh64"
-    """The prefix cache's block hash (R4): "xxh64" is the seed's formula and the fastest;
+    """The prefix cache's block hash (R4): "xxh64" is R4's formula and the fastest;
     "sha256" keys the cache by full 256-bit digests, so a crafted collision (one block
     served in place of another, see R10) is out of reach."""
     # model path
@@ -97,14 +95,12 @@ class EngineConfig:
     ``torch.set_num_threads`` later changes the count but never the waiting. Import
     paged_engine before torch, or export the variable, for more than one default thread.
 
-    Measured (``bench/test_threads_bench.py``, 2-core machine, generate of 16 x 64-token
-    prompts, 32 new tokens; seconds, fastest run, against one thread; quiet machine):
-    torch's old default (2 threads, spin-waiting) is 1.0x (tiny model) and 0.83x
-    (hidden 1024) idle, but 2.4x and 2.1x slower with one competing CPU-bound process, and
-    5-20x (median up to 74x) with other jobs running too; 2 passive threads are 1.3x and
-    1.4x slower with the competing process (tiny: 2.7x even idle; hidden 1024: 0.78x
-    idle). Hence 1 thread on 2 cores. Short spins (``GOMP_SPINCOUNT`` 3,000 or 30,000)
-    measured worse than passive waiting under load."""
+    Why passive waiting and a core left free: spin-waiting threads gain little on an idle
+    machine and lose many times over as soon as another process wants a core (each
+    parallel region waits for the thread whose core was taken); short spins
+    (``GOMP_SPINCOUNT``) fare no better than passive waiting under load. Hence one thread
+    on two cores. ``bench/test_threads_bench.py`` measures the choices, idle and under
+    load (figures in the README)."""
     max_n: int = 128
     """The most completions one request may ask for (``SamplingParams.n``): every completion
     is a sequence built at admission, on the engine's thread, so an unbounded ``n`` would

@@ -54,12 +54,10 @@ class Linear(nn.Module):
     oneDNN from then on, as vLLM's CPU build does, where this machine's torch can
     (``packs``: float32 with oneDNN, bfloat16 only where oneDNN computes bfloat16; any
     other weight stays on ``F.linear``). Why: ``F.linear`` hands a plain row-major weight
-    to the GEMM, which repacks it on every call. Packed once, the 29M
-    model's four projections ran 8-40% faster in float32 at 32, 512 and 2,048 rows, and
-    13-29% faster in bfloat16 at 32 rows (a decode step; at 512 and 2,048 rows the two
-    were within the noise) in one run of ``bench/test_linear_bench.py``, which reports
-    the ratios. Cost: the packed copy replaces the dense
-    weight (which is emptied, so memory does not double); ``weight`` then has 0 rows.
+    to the GEMM, which repacks it on every call; packed once, every call skips that work
+    (``bench/test_linear_bench.py`` reports the ratios per projection and dtype; figures
+    in the README). Cost: the packed copy replaces the dense weight (which is emptied,
+    so memory does not double); ``weight`` then has 0 rows.
     The rounding is oneDNN's rather than MKL's: float32 results differ from ``F.linear``'s
     in the last bits (``tests/test_linear_packing.py`` bounds it).
     """

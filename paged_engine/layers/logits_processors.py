@@ -153,7 +153,8 @@ def _check_row(r: int, p: SamplingParams, h: TokenHistory | None, vocab: int) ->
 
 
 def _ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    # through an array: several times faster than torch.tensor on a long tuple of ints
+    # through an array (one C loop packs the ints, torch adopts the buffer): quicker than
+    # torch.tensor's element-by-element inference on a long tuple of ints
     return torch.frombuffer(array.array("q", ids), dtype=torch.int64).to(device)
 
 

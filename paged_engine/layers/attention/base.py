@@ -170,7 +170,7 @@ class HostMetadata:
             else:
                 slots.extend([-1] * q_len)
         width = max((len(row) for row in block_tables), default=0)
-        # numpy builds a nested list's array ~3x faster than torch.tensor (~0.1 ms a step)
+        # numpy, not torch.tensor: quicker on ragged host lists, and this runs every step
         tables = np.full((len(seq_lens), width), -1, dtype=np.int32)
         for i, row in enumerate(block_tables):
             tables[i, : len(row)] = row

@@ -7,9 +7,10 @@ an online softmax, instead of torch's gather-then-attend. float32 and bfloat16 c
 throughout). Everything else (prefill, a cache-less warm-up, a dtype or head layout the
 kernel lacks) is the torch backend's path, unchanged.
 
-The launcher's shape, stride and dtype checks cost about 20 us a call, paid by every layer
-of every decode step; they run once per step and argument layout instead (``StepMemo``, as
-the Triton backend does), and the kernel checks block ids and lengths in C on every call.
+The launcher's shape, stride and dtype checks would be paid by every layer of every decode
+step, in Python, for arguments laid out alike; they run once per step and argument layout
+instead (``StepMemo``, as the Triton backend does), and the kernel checks block ids and
+lengths in C on every call.
 """
 
 from __future__ import annotations
