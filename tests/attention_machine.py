@@ -1,4 +1,4 @@
-"""The attention oracle machine (DESIGN.md, "Verification, in layers", item 5).
+"""The attention oracle machine (docs/design.md, "Verification": attention paths ≡ oracle).
 
 A Hypothesis ``RuleBasedStateMachine`` that owns the engine's ``BlockManager`` and one paged
 KV cache per *lane* (an attention backend at one dtype), and drives them the way the engine

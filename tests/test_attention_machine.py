@@ -17,9 +17,8 @@ tests/attention_machine.py describes the machine and its checks. Here it runs:
   heads, head dim 128), prompts up to ~2,000 tokens, contexts up to 4,096. Tolerances are
   ``attention_machine.TOLERANCES``: float32 1e-5, float16 2e-3, bfloat16 2e-2 (atol = rtol).
 
-Budget (2 shared cores, interpreter): the CPU tests take 25-45 s together; example and
-step counts are set per test below instead of the ci profile's 300 x 60, which would take
-hours under the interpreter.
+Budget: example and step counts are set per test below instead of the ci profile's
+300 x 60, which would take hours under the Triton interpreter.
 """
 
 from __future__ import annotations
