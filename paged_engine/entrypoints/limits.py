@@ -101,29 +101,29 @@ def admit(
     prompts: int,
     n: int,
     max_queue: int,
-    held: int,
+    queued: int,
     rename: dict[str, str],
     unavailable: str | None,
 ) -> int:
     """The sequences (``prompts * n``) a request would hold, if it may be queued now: a
     400 naming the field when it alone needs more than ``max_queue`` (it can never fit),
-    a 503 when it could fit later (``held`` leaves no room, or ``unavailable`` says why
+    a 503 when it could fit later (``queued`` leaves no room, or ``unavailable`` says why
     the server takes nothing now)."""
-    units = prompts * n
-    if units > max_queue:
+    sequences = prompts * n
+    if sequences > max_queue:
         raise RequestError(
-            f"this request needs {units} sequences ({prompts} prompt(s) times n={n}), more "
+            f"this request needs {sequences} sequences ({prompts} prompt(s) times n={n}), more "
             f"than the {max_queue} this server can ever hold (--max-queue)",
             param=rename.get("prompt", "prompt") if prompts > max_queue else "n",
             code="invalid_value",
         )
     if unavailable is not None:
         raise RequestError(unavailable, status=503)
-    if held + units > max_queue:
+    if queued + sequences > max_queue:
         raise RequestError(
-            f"the server is full: it holds {held} of at most {max_queue} sequences "
+            f"the server is full: it holds {queued} of at most {max_queue} sequences "
             "(--max-queue); retry later",
             status=503,
             code="overloaded",
         )
-    return units
+    return sequences

@@ -105,8 +105,9 @@ class OpenAIServer:
         self.tokenize = TokenizePool(settings.tokenize_threads)
         self.model_root = model_root
         self.created = int(time.time())
-        self.held = 0
-        """Sequences admitted and not yet ended (event-loop thread only), for ``max_queue``."""
+        self.queued_sequences = 0
+        """Sequences admitted and not yet ended, counted against ``max_queue`` (the event
+        loop's thread alone reads and writes it)."""
         self.app = self._build_app()
 
     @classmethod
@@ -210,10 +211,15 @@ class OpenAIServer:
             if loop.alive and not loop.draining
             else loop.fatal or "the server is shutting down"
         )
-        units = admit(
-            len(ids), work.params.n, self.settings.max_queue, self.held, rename, unavailable
+        sequences = admit(
+            len(ids),
+            work.params.n,
+            self.settings.max_queue,
+            self.queued_sequences,
+            rename,
+            unavailable,
         )
-        self.held += units
+        self.queued_sequences += sequences
         pending = set(ids)
         released = False
 
@@ -221,7 +227,7 @@ class OpenAIServer:
             nonlocal released
             if not released:
                 released = True
-                self.held -= units
+                self.queued_sequences -= sequences
                 self.loop.abort([r for r in ids if r in pending])
 
         try:
