@@ -4,9 +4,7 @@ is allocated."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
-
-from paged_engine.engine.hashing import HASH_ALGORITHMS, HashAlgorithm
+from typing import Literal, get_args
 
 # The machine's probes live in platform.py (torch-free at import, like this module); the
 # names stay importable from here.
@@ -20,9 +18,10 @@ from paged_engine.platform import usable_physical_cores as usable_physical_cores
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton", "flash-attn")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
-# R4's hashes, defined once with the hashing (a light module: xxhash and the stdlib).
-PrefixCacheHash = HashAlgorithm
-PREFIX_CACHE_HASHES: tuple[str, ...] = HASH_ALGORITHMS
+PrefixCacheHash = Literal["xxh64", "sha256"]
+PREFIX_CACHE_HASHES: tuple[PrefixCacheHash, ...] = get_args(PrefixCacheHash)
+"""R4's block hashes by name, the default first: the one list (``engine/hashing.py``
+imports it; the engine depends on its configuration, never the other way)."""
 
 CPU_MAX_NUM_BATCHED_TOKENS = 1024
 """``EngineConfig.max_num_batched_tokens``' default on CPU (see there)."""
@@ -43,7 +42,7 @@ class EngineConfig:
     from ``kv_cache_memory`` bytes on CPU, or from ``gpu_memory_utilization`` of the device
     memory left after a warm-up pass on CUDA. With neither on CPU ("auto") the pool holds
     ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at half the memory
-    available when the engine starts (``ModelRunner._pool_size``).
+    available when the engine starts (``worker/kv_cache.pool_size``).
     """
 
     max_num_batched_tokens: int | None = None

@@ -5,20 +5,21 @@
 
 * Each full block's chained hash is computed once per sequence lifetime and kept in
   ``Sequence.block_hashes``; ``can_allocate`` (retried every step while a request waits),
-  ``allocate``, ``hash_blocks`` and re-prefill after preemption all reuse it.
+  ``allocate``, ``hash_blocks``, re-prefill after preemption and the scheduler's deferral
+  all reuse it through ``hash_chain``, the one place that extends it.
 * Likewise each full block is packed to int64 LE bytes once, into
   ``Sequence.block_bytes`` (never through ``numpy.array``). The same bytes object feeds
   the hash, the token check (R10: one memcmp) and, once registered, ``block_tokens``.
   Bytes are not tracked by the garbage collector, so a prefix cache of thousands of
   blocks adds nothing to its collections (a list of tokens per block did: each
   registration counted towards the next collection, and each collection walked them).
-* The hash is chosen once, in ``__init__``: xxh64 (the default) runs inlined, with no
-  call per block (here, and in ``hash_blocks``'s decode step); ``hash_algorithm="sha256"``
-  and an injected ``hash_fn`` take the general paths. A cache salt (R4s) costs one check
-  per sequence, where block 0 is hashed.
+* The hash is chosen once, in ``__init__``: xxh64 (the default) and sha256 each run as one
+  loop over the packed blocks, with no call per block; an injected ``hash_fn`` (tests)
+  takes the general path. A cache salt (R4s) costs one check per sequence, where block 0
+  is hashed.
 
-Nothing here imports more than xxhash and the standard library (``paged_engine.config``
-takes ``HASH_ALGORITHMS`` from here). Rule numbers refer to ../shared/DESIGN.md.
+Nothing here imports more than xxhash, the standard library and ``paged_engine.config``
+(for the hashes' names). Rule numbers refer to docs/design.md, "Allocator rules".
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ import struct
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from hashlib import sha256
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
 from xxhash import xxh64_intdigest
+
+from paged_engine.config import PREFIX_CACHE_HASHES as HASH_ALGORITHMS
+from paged_engine.config import PrefixCacheHash as HashAlgorithm
 
 if TYPE_CHECKING:
     from paged_engine.engine.sequence import Sequence
@@ -45,9 +49,6 @@ __all__ = [
 ]
 
 HashFn = Callable[[SequenceABC[int], "int | None"], int]
-HashAlgorithm = Literal["xxh64", "sha256"]
-HASH_ALGORITHMS: tuple[HashAlgorithm, ...] = get_args(HashAlgorithm)
-"""R4's hashes by name, the default first: the one list (``EngineConfig`` reads it)."""
 
 _GROUPER_MAX_BLOCK_SIZE = 64
 """Up to this block size, ``map`` over ``block_size`` references to one token iterator
@@ -105,6 +106,7 @@ class BlockHasher:
         self.hash_algorithm = hash_algorithm
         self._hash_fn = hash_fn
         self._sha256 = hash_algorithm == "sha256"
+        self._xxh64 = hash_fn is None and not self._sha256  # R4's default hash, unreplaced
         # R4's hash as a function of (tokens, prefix), for the salt block (R4s).
         self._block_hash: HashFn = hash_fn or (
             sha256_block_hash if self._sha256 else xxh64_block_hash
@@ -119,70 +121,68 @@ class BlockHasher:
         """R4 with the default hash function."""
         return xxh64_block_hash(list(token_ids), prefix)
 
-    def _packed_blocks(self, seq: Sequence, n: int) -> list[bytes]:
-        """The sequence's first ``n`` (full) blocks packed, one bytes object per block,
-        cached on it as ``block_bytes`` (full blocks never change: it never goes stale).
+    def hash_chain(self, seq: Sequence, n: int) -> list[int]:
+        """The sequence's hash chain, extended to at least its first ``n`` (full) blocks,
+        after packing them into ``block_bytes``; both are cached on the sequence.
 
-        Beyond a decode step's one block, it packs every full block: the callers (prefix
+        It packs every full block beyond a decode step's one: the callers (prefix
         lookups, prefill) ask for all of them but the last, and a bound costs more than
-        packing that one.
+        packing that one. (``BlockManager.hash_blocks`` packs and hashes the one block a
+        decode step fills itself, under xxh64.)
         """
-        packed = seq.block_bytes
-        have = len(packed)
-        if have < n:
-            bs, pack, tokens = self.block_size, self._pack_block, seq.token_ids
-            if n - have == 1:  # a decode step filled one block
-                packed.append(pack(*tokens[have * bs : n * bs]))
+        hashes = seq.block_hashes
+        have = len(hashes)
+        if have >= n:
+            return hashes
+        packed, bs = seq.block_bytes, self.block_size
+        done = len(packed)
+        if done < n:
+            pack, tokens = self._pack_block, seq.token_ids
+            if n - done == 1:  # a decode step filled one block
+                packed.append(pack(*tokens[done * bs : n * bs]))
             elif bs <= _GROUPER_MAX_BLOCK_SIZE:
                 # The grouper idiom: ``map`` hands the packer ``bs`` consecutive tokens
                 # per call, all in C, and stops at a partial last block; for small
-                # blocks, slicing and calling per block in Python would cost half as
-                # much again.
-                rest = iter(tokens[have * bs :] if have else tokens)
+                # blocks it beats slicing and calling per block in Python.
+                rest = iter(tokens[done * bs :] if done else tokens)
                 packed += map(pack, *[rest] * bs)
             else:
                 stop = len(tokens) - bs + 1
-                packed += [pack(*tokens[o : o + bs]) for o in range(have * bs, stop, bs)]
-        return packed
+                packed += [pack(*tokens[o : o + bs]) for o in range(done * bs, stop, bs)]
+        append = hashes.append
+        start = hashes[-1] if have else self._chain_start(seq)
+        if self._hash_fn is not None:
+            h, tokens, hash_fn = start, seq.token_ids, self._hash_fn
+            for i in range(have, n):
+                h = hash_fn(tokens[i * bs : (i + 1) * bs], h)
+                append(h)
+        elif self._sha256:
+            prev = b"" if start is None else start.to_bytes(32, "big")
+            for data in packed[have:n]:
+                digest = sha256(prev + data).digest()
+                append(int.from_bytes(digest, "big"))
+                prev = digest  # the 32-byte big-endian form of the hash just appended
+        else:
+            prev = b"" if start is None else start.to_bytes(8, "little")
+            for data in packed[have:n]:
+                h = xxh64_intdigest(prev + data)
+                append(h)
+                prev = h.to_bytes(8, "little")
+        return hashes
+
+    def packed_blocks(self, seq: Sequence, n: int) -> list[bytes]:
+        """The sequence's first ``n`` (full) blocks packed, one bytes object per block,
+        cached on it as ``block_bytes`` (full blocks never change: it never goes stale);
+        packed by ``hash_chain``, which the prefix cache needs of the same blocks."""
+        self.hash_chain(seq, n)
+        return seq.block_bytes
 
     def _chain_start(self, seq: Sequence) -> int | None:
         """R4s: block 0's prefix: None without a salt, else the salt block's hash."""
         salt = seq.cache_salt
         return None if salt is None else self._block_hash(salt_block(salt), None)
 
-    def _block_hashes(self, seq: Sequence, n: int) -> list[int]:
-        """The sequence's hash chain, extended to at least its first ``n`` (full) blocks.
-
-        ``BlockManager.hash_blocks`` inlines it for a decode step's one block unless a
-        subclass overrides it.
-        """
-        hashes = seq.block_hashes
-        have = len(hashes)
-        if have >= n:
-            return hashes
-        if self._hash_fn is not None:
-            bs, tokens = self.block_size, seq.token_ids
-            h = hashes[-1] if hashes else self._chain_start(seq)
-            for i in range(have, n):
-                h = self._hash_fn(tokens[i * bs : (i + 1) * bs], h)
-                hashes.append(h)
-            return hashes
-        packed = self._packed_blocks(seq, n)
-        append = hashes.append
-        if self._sha256:
-            start = hashes[-1] if hashes else self._chain_start(seq)
-            prev = b"" if start is None else start.to_bytes(32, "big")
-            for data in packed[have:n]:
-                digest = sha256(prev + data).digest()
-                append(int.from_bytes(digest, "big"))
-                prev = digest  # the 32-byte big-endian form of the hash just appended
-            return hashes
-        if not have:  # block 0: no prefix, or the salt block's hash (R4s)
-            start = None if seq.cache_salt is None else self._chain_start(seq)
-            data = packed[0]
-            append(xxh64_intdigest(data if start is None else start.to_bytes(8, "little") + data))
-        h = hashes[-1]
-        for data in packed[len(hashes) : n]:
-            h = xxh64_intdigest(h.to_bytes(8, "little") + data)
-            append(h)
-        return hashes
+    # The scheduler's names for the two (engine/scheduler.py's allocator_chain), until it
+    # calls them by their public names.
+    _block_hashes = hash_chain
+    _packed_blocks = packed_blocks
