@@ -1,21 +1,21 @@
 """Per-request sampling settings, validated when built so a bad request never reaches a step.
 
 Names, defaults and ranges are vLLM's (``vllm.SamplingParams``); the differences are
-listed in ``SamplingParams``' docstring. Every refusal is an ``InvalidRequestError`` (a
-``ValueError``) or ``InvalidRequestTypeError`` (also a ``TypeError``) whose ``field`` is
-the parameter's name, so callers map it without reading the message. What needs the
-model (token ids within its vocabulary, ``n`` within the engine's bound, ``bad_words``
-through its tokenizer) is checked at admission, by ``engine/inputs.check_request``.
+listed in ``SamplingParams``' docstring. Each field is checked by ``sampling_checks.py``;
+every refusal is an ``InvalidRequestError`` (a ``ValueError``) or
+``InvalidRequestTypeError`` (also a ``TypeError``) whose ``field`` is the parameter's
+name, so callers map it without reading the message. What needs the model (token ids
+within its vocabulary, ``n`` within the engine's bound, ``bad_words`` through its
+tokenizer) is checked at admission, by ``engine/inputs.check_request``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
+from paged_engine import sampling_checks as check
 from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
 
 GREEDY_BELOW = 1e-5
@@ -39,140 +39,6 @@ class RequestOutputKind(Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
-
-
-def _finite_float(field: str, x: object, label: str | None = None) -> float:
-    """``x`` as a finite float: a type error for a non-number, a value error for one that
-    is not finite or is an int beyond the float range. ``label`` names it in the message
-    (default: the field)."""
-    name = label or field
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        raise InvalidRequestTypeError(field, f"{name} must be a number, got {x!r}")
-    try:
-        value = float(x)
-    except OverflowError:
-        value = math.inf
-    if not math.isfinite(value):
-        raise InvalidRequestError(field, f"{name} must be finite, got {x!r}")
-    return value
-
-
-def _float_in(name: str, x: object, low: float, high: float) -> float:
-    value = _finite_float(name, x)
-    if not low <= value <= high:
-        raise InvalidRequestError(name, f"{name} must be in [{low:g}, {high:g}], got {x!r}")
-    return value
-
-
-def _int(field: str, x: object, label: str | None = None) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise InvalidRequestTypeError(field, f"{label or field} must be an int, got {x!r}")
-    return x
-
-
-def _optional_count(name: str, x: object) -> int | None:
-    """None, or an int >= 0."""
-    if x is None:
-        return None
-    value = _int(name, x)
-    if value < 0:
-        raise InvalidRequestError(name, f"{name} must be None or an int >= 0, got {x!r}")
-    return value
-
-
-def _bool(name: str, x: object) -> bool:
-    if not isinstance(x, bool):
-        raise InvalidRequestTypeError(name, f"{name} must be a bool, got {x!r}")
-    return x
-
-
-def _id_tuple(name: str, x: object) -> tuple[int, ...]:
-    """A sequence of ints >= 0 as a tuple, in order."""
-    if isinstance(x, str | bytes | Mapping) or not hasattr(x, "__iter__"):
-        raise InvalidRequestTypeError(name, f"{name} must be a sequence of ints, got {x!r}")
-    ids = tuple(x)
-    for t in ids:
-        if _int(name, t, f"each of {name}") < 0:
-            raise InvalidRequestError(name, f"{name} must hold ints >= 0, got {t!r}")
-    return ids
-
-
-def _token_ids(name: str, x: object) -> tuple[int, ...]:
-    """A sequence of ints >= 0 as a tuple, duplicates dropped (first kept), as vLLM."""
-    return tuple(dict.fromkeys(_id_tuple(name, x)))
-
-
-def _strings(name: str, x: object) -> tuple[str, ...]:
-    """None, one string or a sequence of strings, as a tuple of strings that are not
-    empty (``bad_words``: not blank either, as vLLM strips a word's leading spaces)."""
-    if x is None:
-        return ()
-    if isinstance(x, str):
-        x = (x,)
-    if isinstance(x, bytes | Mapping) or not hasattr(x, "__iter__"):
-        raise InvalidRequestTypeError(
-            name, f"{name} must be None, a str or a sequence of str, got {x!r}"
-        )
-    values = tuple(x)
-    for s in values:
-        if not isinstance(s, str):
-            raise InvalidRequestTypeError(name, f"{name} must hold only strings, got {s!r}")
-        if not (s.strip() if name == "bad_words" else s):
-            raise InvalidRequestError(name, f"{name} cannot contain an empty string, got {s!r}")
-    return values
-
-
-def _allowed_token_ids(x: object) -> tuple[int, ...] | None:
-    """None (every token) or a non-empty sequence of ids, as ``_token_ids`` (vLLM refuses
-    an empty list: it would leave nothing to sample)."""
-    if x is None:
-        return None
-    ids = _token_ids("allowed_token_ids", x)
-    if not ids:
-        raise InvalidRequestError(
-            "allowed_token_ids", "allowed_token_ids must be None or hold at least one id"
-        )
-    return ids
-
-
-def _word_token_ids(x: object) -> tuple[tuple[int, ...], ...] | None:
-    """None, or a sequence of non-empty sequences of token ids, as tuples."""
-    name = "bad_words_token_ids"
-    if x is None:
-        return None
-    if isinstance(x, str | bytes | Mapping) or not hasattr(x, "__iter__"):
-        raise InvalidRequestTypeError(name, f"{name} must be sequences of token ids, got {x!r}")
-    words = tuple(_id_tuple(name, w) for w in x)
-    if not all(words):
-        raise InvalidRequestError(name, f"{name} cannot hold an empty word, got {x!r}")
-    return words
-
-
-def _logit_bias(x: object) -> tuple[tuple[int, float], ...] | None:
-    """None or a mapping token id (int >= 0) -> finite float, as ``(id, bias)`` pairs
-    sorted by id (hashable, and equal whatever the mapping's order); ``{}`` is None."""
-    name = "logit_bias"
-    if x is None:
-        return None
-    if isinstance(x, tuple):  # already normalised (dataclasses.replace passes it back)
-        try:
-            x = dict(x)
-        except (TypeError, ValueError):
-            raise InvalidRequestTypeError(
-                name, f"logit_bias as a tuple must hold (id, bias) pairs, got {x!r}"
-            ) from None
-    if not isinstance(x, Mapping):
-        raise InvalidRequestTypeError(
-            name, f"logit_bias must be None or a dict of token id -> float, got {x!r}"
-        )
-    pairs = []
-    for token, bias in x.items():
-        if _int(name, token, "each logit_bias key (token id)") < 0:
-            raise InvalidRequestError(
-                name, f"logit_bias keys must be token ids >= 0, got {token!r}"
-            )
-        pairs.append((token, _finite_float(name, bias, f"logit_bias[{token}]")))
-    return tuple(sorted(pairs)) or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +83,7 @@ class SamplingParams:
     are neither raised to 0.01 nor capped at 2, ``logit_bias`` keys must be ints (the
     OpenAI layer converts JSON's strings, and clamps biases to [-100, 100]), and the
     engine bounds ``n``, the stop strings, ``bad_words`` and ``logit_bias``
-    (``engine/inputs.py`` says why).
+    (``engine/request_limits.py`` says why).
     """
 
     temperature: float = 1.0
@@ -246,30 +112,30 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        t = _finite_float("temperature", self.temperature)
+        t = check.finite_float("temperature", self.temperature)
         if t < 0:
             raise InvalidRequestError(
                 "temperature", f"temperature must be >= 0, got {self.temperature!r}"
             )
         self._set("temperature", t)
         if self.top_k is not None:
-            k = _int("top_k", self.top_k)
+            k = check.integer("top_k", self.top_k)
             if k < -1:
                 raise InvalidRequestError(
                     "top_k", f"top_k must be None, 0 or -1 (disabled) or >= 1, got {k!r}"
                 )
             if k <= 0:
                 self._set("top_k", None)
-        p = _finite_float("top_p", self.top_p)
+        p = check.finite_float("top_p", self.top_p)
         if not 0 < p <= 1:
             raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         self._set("top_p", p)
-        self._set("min_p", _float_in("min_p", self.min_p, 0.0, 1.0))
-        if self.max_tokens is not None and _int("max_tokens", self.max_tokens) < 1:
+        self._set("min_p", check.float_in("min_p", self.min_p, 0.0, 1.0))
+        if self.max_tokens is not None and check.integer("max_tokens", self.max_tokens) < 1:
             raise InvalidRequestError(
                 "max_tokens", f"max_tokens must be None or >= 1, got {self.max_tokens!r}"
             )
-        if _int("min_tokens", self.min_tokens) < 0:
+        if check.integer("min_tokens", self.min_tokens) < 0:
             raise InvalidRequestError(
                 "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens!r}"
             )
@@ -278,15 +144,15 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens!r}",
             )
-        if _int("n", self.n) < 1:
+        if check.integer("n", self.n) < 1:
             raise InvalidRequestError("n", f"n must be >= 1, got {self.n!r}")
         if self.n > 1 and self.greedy:
             raise InvalidRequestError(
                 "n", f"n must be 1 for greedy sampling (temperature 0), got {self.n}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
-            self._set(name, _float_in(name, getattr(self, name), -2.0, 2.0))
-        r = _finite_float("repetition_penalty", self.repetition_penalty)
+            self._set(name, check.float_in(name, getattr(self, name), -2.0, 2.0))
+        r = check.finite_float("repetition_penalty", self.repetition_penalty)
         if r <= 0:
             raise InvalidRequestError(
                 "repetition_penalty",
@@ -299,25 +165,25 @@ class SamplingParams:
             "detokenize",
             "skip_special_tokens",
         ):
-            _bool(name, getattr(self, name))
-        self._set("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
-        self._set("stop", _strings("stop", self.stop))
+            check.boolean(name, getattr(self, name))
+        self._set("stop_token_ids", check.token_ids("stop_token_ids", self.stop_token_ids))
+        self._set("stop", check.strings("stop", self.stop))
         if self.stop and not self.detokenize:
             raise InvalidRequestError(
                 "stop", "stop strings need detokenize=True (they match the text)"
             )
-        self._set("logprobs", _optional_count("logprobs", self.logprobs))
-        self._set("prompt_logprobs", _optional_count("prompt_logprobs", self.prompt_logprobs))
-        self._set("logit_bias", _logit_bias(self.logit_bias))
+        self._set("logprobs", check.optional_count("logprobs", self.logprobs))
+        self._set("prompt_logprobs", check.optional_count("prompt_logprobs", self.prompt_logprobs))
+        self._set("logit_bias", check.logit_bias(self.logit_bias))
         if self.seed is not None:
-            _int("seed", self.seed)
+            check.integer("seed", self.seed)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestTypeError(
                 "output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"
             )
-        self._set("allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
-        self._set("bad_words", _strings("bad_words", self.bad_words))
-        self._set("bad_words_token_ids", _word_token_ids(self.bad_words_token_ids))
+        self._set("allowed_token_ids", check.allowed_token_ids(self.allowed_token_ids))
+        self._set("bad_words", check.strings("bad_words", self.bad_words))
+        self._set("bad_words_token_ids", check.word_token_ids(self.bad_words_token_ids))
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)

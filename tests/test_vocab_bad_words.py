@@ -1,5 +1,5 @@
 """``bad_words`` (vLLM's name and rule): each word tokenized at admission with and without a
-leading space (``engine/inputs.tokenize_bad_words``), and a word's last token banned
+leading space (``engine/request_limits.tokenize_bad_words``), and a word's last token banned
 whenever the generated tokens end with its other tokens.
 
 Through the real model (the tiny Qwen3 and its byte-level BPE): a word greedy decoding
@@ -18,10 +18,10 @@ import pytest
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.config import EngineConfig
-from paged_engine.engine.inputs import (
+from paged_engine.engine.inputs import check_request
+from paged_engine.engine.request_limits import (
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
-    check_request,
     tokenize_bad_words,
 )
 from paged_engine.errors import InvalidRequestError

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.engine.inputs import MAX_BAD_WORDS, MAX_STOP_STRINGS
+from paged_engine.engine.request_limits import MAX_BAD_WORDS, MAX_STOP_STRINGS
 from paged_engine.entrypoints.cli_args import flag_message
 from paged_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from paged_engine.entrypoints.serving import RequestError, param_of, sampling_params

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 
 from paged_engine.config import EngineConfig
-from paged_engine.engine.inputs import (
+from paged_engine.engine.inputs import check_request
+from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.engine.request_limits import (
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
-    check_request,
 )
-from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.sequence import Sequence
 from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
 from paged_engine.sampling_params import SamplingParams

@@ -1,53 +1,45 @@
 """Prompts in, token ids out: every request is parsed and checked in full here, before the
 engine changes any state, so a refused request leaves everything as it was.
 
-``check_request`` is the one boundary that knows the model: the prompt and every token id a
+Admission runs three steps, in this order (``RequestBuilder.build``): ``parse_prompt`` (a
+text, token ids or a prompt dict, as checked token ids), ``parse_params`` (the sampling
+params, built and so validated field by field: ``sampling_checks.py``), and
+``check_request``, the one boundary that knows the model: the prompt and every token id a
 request names (``logit_bias``, ``allowed_token_ids``, ``stop_token_ids``, the tokenized
 ``bad_words``) must lie in its vocabulary, and the request must fit ``max_model_len``, the
-KV pool and the engine's bounds, so nothing that could fail inside a step for one request
-(and, in a batched step, for the others) is queued. Every refusal is an
-``InvalidRequestError`` naming the field as the user spelled it.
+KV pool and the engine's bounds (``request_limits.py``), so nothing that could fail inside
+a step for one request (and, in a batched step, for the others) is queued. Every refusal
+is an ``InvalidRequestError`` naming the field as the user spelled it.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Protocol
 
 from paged_engine.config import EngineConfig
 from paged_engine.engine.indexing import num_blocks
+from paged_engine.engine.request_limits import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    check_strings,
+    in_vocab,
+    with_bad_words,
+)
 from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
 from paged_engine.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20
-"""The most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default)."""
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 1024
-"""Stop strings per request, and characters per stop string. Each step searches the new
-text for every stop string, and a stream holds back the longest one's length less one
-character (it may still be completed), so both bound a request's per-token cost and its
-streaming delay. OpenAI takes 4 stop strings; 64 of up to 1,024 characters leave room for
-any list a client builds by hand."""
-MAX_BAD_WORDS = 128
-MAX_BAD_WORD_CHARS = 256
-"""``bad_words`` per request, and characters per word. Every word is tokenized at
-admission, twice, on the engine's thread, and each step compares the generated tokens'
-tail with each tokenized word in Python: both costs grow with the count and the length,
-and a phrase of 256 characters is already far longer than a word."""
-MAX_LOGIT_BIAS = 1024
-"""Entries of ``logit_bias`` per request. Every step turns each entry into tensor elements
-on the host, for every step of the request, so a whole-vocabulary bias would cost every
-request in the batch that much per token. To restrict sampling to a large set of tokens,
-``allowed_token_ids`` takes any number (up to the vocabulary)."""
 
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer: text prompts and ``bad_words`` in, text out."""
+
     def encode(self, text: Any) -> Any: ...
     def decode(self, token_ids: Any, skip_special_tokens: bool = ...) -> str: ...
 
@@ -185,8 +177,8 @@ def check_request(
 
     What it needs of the engine: room in ``max_model_len`` and the pool for one completion
     at full length (completions share the pool in turn, by preemption), ``n`` within
-    ``config.max_n``, and the bounds above. ``vocab_size`` (the model's; None skips those
-    checks) bounds every token id the request names.
+    ``config.max_n``, and the bounds of ``request_limits.py``. ``vocab_size`` (the model's;
+    None skips those checks) bounds every token id the request names.
     """
 
     def refuse(field: str, reason: str) -> InvalidRequestError:
@@ -219,7 +211,7 @@ def check_request(
         k = getattr(params, name)
         if k is not None and k > MAX_LOGPROBS:
             raise refuse(name, f"{name}={k} is more than the {MAX_LOGPROBS} allowed")
-    _check_strings(params.stop, "stop", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, refuse)
+    check_strings(params.stop, "stop", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, refuse)
     if params.stop and not has_tokenizer:
         raise refuse("stop", "stop strings need a tokenizer (use stop_token_ids)")
     if params.stop and not params.detokenize:
@@ -232,88 +224,7 @@ def check_request(
             "(allowed_token_ids takes any number)",
         )
     if vocab_size is not None:
-        _in_vocab("logit_bias", [t for t, _ in bias], vocab_size, refuse)
-        _in_vocab("allowed_token_ids", params.allowed_token_ids or (), vocab_size, refuse)
-        _in_vocab("stop_token_ids", params.stop_token_ids, vocab_size, refuse)
-    return _with_bad_words(params, tokenizer, vocab_size, refuse)
-
-
-def _check_strings(
-    values: tuple[str, ...],
-    field: str,
-    most: int,
-    chars: int,
-    refuse: Callable[[str, str], InvalidRequestError],
-) -> None:
-    if len(values) > most:
-        raise refuse(field, f"{field} has {len(values)} strings, more than the {most} allowed")
-    for s in values:
-        if len(s) > chars:
-            raise refuse(
-                field,
-                f"{field} holds a string of {len(s)} characters, more than the {chars} "
-                f"allowed: {s[:40]!r}...",
-            )
-
-
-def _in_vocab(
-    field: str,
-    ids: SequenceABC[int],
-    vocab_size: int,
-    refuse: Callable[[str, str], InvalidRequestError],
-) -> None:
-    """Every id of ``ids`` (checked >= 0 by ``SamplingParams``) below ``vocab_size``."""
-    if ids and max(ids) >= vocab_size:
-        bad = next(t for t in ids if t >= vocab_size)
-        raise refuse(field, f"{field} names token {bad}, outside the vocabulary [0, {vocab_size})")
-
-
-def _with_bad_words(
-    params: SamplingParams,
-    tokenizer: Tokenizer | None,
-    vocab_size: int | None,
-    refuse: Callable[[str, str], InvalidRequestError],
-) -> SamplingParams:
-    """``params`` with ``bad_words_token_ids`` made from its ``bad_words`` (None without
-    any): recomputed at every admission, so a request re-added (or built with ids of its
-    own) is banned exactly what its words are under this model's tokenizer."""
-    if not params.bad_words:
-        if params.bad_words_token_ids is None:
-            return params
-        return replace(params, bad_words_token_ids=None)
-    _check_strings(params.bad_words, "bad_words", MAX_BAD_WORDS, MAX_BAD_WORD_CHARS, refuse)
-    if tokenizer is None:
-        raise refuse("bad_words", "bad_words need a tokenizer: they are banned as tokens")
-    words = tokenize_bad_words(params.bad_words, tokenizer)
-    if vocab_size is not None:
-        _in_vocab("bad_words", [t for w in words for t in w], vocab_size, refuse)
-    return replace(params, bad_words_token_ids=words)
-
-
-def tokenize_bad_words(
-    words: SequenceABC[str], tokenizer: Tokenizer
-) -> tuple[tuple[int, ...], ...]:
-    """vLLM's tokenization of ``bad_words``: each word, its leading spaces stripped, as it
-    is (at the start of a text) and after one space (inside a text, for tokenizers whose
-    tokens carry the space before a word), without special tokens; duplicates dropped."""
-    encode = _plain_encoder(tokenizer)
-    found: dict[tuple[int, ...], None] = {}
-    for word in words:
-        base = word.lstrip()
-        for text in (base, " " + base):
-            ids = tuple(int(t) for t in encode(text))
-            if ids:
-                found[ids] = None
-    return tuple(found)
-
-
-def _plain_encoder(tokenizer: Tokenizer) -> Callable[[str], Any]:
-    """``tokenizer.encode`` without special tokens where it takes ``add_special_tokens``
-    (transformers' tokenizers may add a BOS, which is no part of a word)."""
-    try:
-        takes_flag = "add_special_tokens" in inspect.signature(tokenizer.encode).parameters
-    except (TypeError, ValueError):  # no signature to read (a C callable)
-        takes_flag = False
-    if takes_flag:
-        return lambda text: tokenizer.encode(text, add_special_tokens=False)  # type: ignore[call-arg]
-    return tokenizer.encode
+        in_vocab("logit_bias", [t for t, _ in bias], vocab_size, refuse)
+        in_vocab("allowed_token_ids", params.allowed_token_ids or (), vocab_size, refuse)
+        in_vocab("stop_token_ids", params.stop_token_ids, vocab_size, refuse)
+    return with_bad_words(params, tokenizer, vocab_size, refuse)
