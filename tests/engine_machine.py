@@ -348,23 +348,27 @@ def make_machine(
                 queued = [s.seq_id for s in waiting + running + sched.finished]
                 # Every unfinished request sits in exactly one queue (so abort finds it),
                 # or has finished and waits to be reported.
-                unreported = [
+                awaiting_output = [
                     c.seq.seq_id
                     for r in engine._requests.values()
                     for c in r.completions
                     if c.finish_reason is not None
                 ]
                 # Text is made from committed tokens only (after postprocess; a failed
-                # step's tokens are dropped before any catch_up sees them), so no
+                # step's tokens are dropped before detokenize_pending sees them), so no
                 # detokenizer is ever ahead of its sequence, faults included.
                 for r in engine._requests.values():
                     for c in r.completions:
-                        if c.detok is not None:
-                            assert c.detok.num_tokens <= c.seq.num_completion_tokens, (
+                        if c.detokenizer is not None:
+                            assert c.detokenizer.num_tokens <= c.seq.num_completion_tokens, (
                                 f"the detokenizer of {c.seq} is ahead of its tokens"
                             )
                 live = [r.completions[0].seq.seq_id for r in engine._requests.values()]
-                assert sorted(queued + unreported) == sorted(live), (queued, unreported, live)
+                assert sorted(queued + awaiting_output) == sorted(live), (
+                    queued,
+                    awaiting_output,
+                    live,
+                )
                 assert all(not s.block_table for s in waiting + sched.finished)
                 assert not sched._in_flight, "a step left sequences in flight"
                 for s in running:

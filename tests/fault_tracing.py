@@ -406,8 +406,10 @@ def check_consistent(engine: LLMEngine, where: str) -> None:
             at = queued.get(id(c.seq), [])
             expected = 0 if c.finish_reason is not None else 1
             assert len(at) == expected, f"{where}: {rid}[{c.index}] ({c.finish_reason}) is in {at}"
-            if c.detok is not None:
-                assert c.detok.num_tokens <= c.seq.num_completion_tokens, f"{where}: text ahead"
+            if c.detokenizer is not None:
+                assert c.detokenizer.num_tokens <= c.seq.num_completion_tokens, (
+                    f"{where}: text ahead"
+                )
         if r.first_token_time is not None:
             assert any(c.seq.num_completion_tokens for c in r.completions), (
                 f"{where}: {rid} has a first-token time and no token"
@@ -425,19 +427,19 @@ def check_consistent(engine: LLMEngine, where: str) -> None:
             if not any(c.seq is s for s in sched.running):
                 assert not c.seq.block_table, f"{where}: {c.seq} holds blocks outside running"
     engine.block_manager.check_invariants(list(sched.running))  # type: ignore[attr-defined]
-    out = engine.outputs
-    assert {id(s) for s in out.owner} == live, f"{where}: the owner table"
-    assert all(rid in engine._requests for rid in out.unreported), f"{where}: news of the gone"
-    assert all(r.request_id in engine._requests for r in out.behind.values()), where
+    out = engine.output_processor
+    assert {id(s) for s in out.completion_of} == live, f"{where}: the completion table"
+    assert all(rid in engine._requests for rid in out.to_report), f"{where}: news of the gone"
+    assert all(r.request_id in engine._requests for r in out.needs_text.values()), where
 
 
 def check_idle(engine: LLMEngine, where: str) -> None:
     """No request, nothing queued or in flight, every block free, R12, no record left."""
-    sched, out = engine.scheduler, engine.outputs
+    sched, out = engine.scheduler, engine.output_processor
     assert not engine.has_unfinished_requests(), f"{where}: requests left"
     assert not (sched.waiting or sched.running or sched.finished or sched._in_flight), where
     assert not sched.errors, f"{where}: error records left"
-    assert not (out.owner or out.behind or out.unreported or out.step_notes), where
+    assert not (out.completion_of or out.needs_text or out.to_report or out.staged), where
     bm: Any = engine.block_manager
     assert bm.num_free_blocks == CONFIG.num_kvcache_blocks, f"{where}: blocks not freed"
     bm.check_invariants([])

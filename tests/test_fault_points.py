@@ -125,7 +125,7 @@ def _check_dropped(profile: ft.Profile, site: str, where: str) -> None:
 def check_abort(engine: LLMEngine, rid: str, where: str) -> None:
     assert engine.abort_request(rid), f"{where}: abort_request({rid}) found nothing"
     assert not engine.abort_request(rid), f"{where}: aborted twice"
-    assert rid not in engine._requests and rid not in engine.outputs.unreported, where
+    assert rid not in engine._requests and rid not in engine.output_processor.to_report, where
     ft.check_consistent(engine, f"{where}, after aborting {rid}")
 
 

@@ -420,12 +420,12 @@ def test_partial_outputs_hold_the_requests_the_failing_step_finished() -> None:
 
 class NewsForRecovered(LLMEngine):
     """Mutant (issue 28's first held-out bug): after a failed step, the results of the
-    sequences ``recover()`` preempted are noted too: news, and a first-token time, for
+    sequences ``recover()`` preempted are recorded too: news, and a first-token time, for
     tokens that are gone."""
 
     def _settle(self) -> None:
         self.scheduler.recover()
-        self.outputs.settle(())
+        self.output_processor.record_committed(())
 
 
 class ChunksSampleNothing(CheckedRunner):

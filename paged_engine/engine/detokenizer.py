@@ -47,7 +47,7 @@ class Detokenizer(Protocol):
 class IncrementalDetokenizer:
     """The text of one completion, grown token by token (see the module docstring)."""
 
-    __slots__ = ("_chunk", "_ids", "num_tokens", "skip_special_tokens", "text")
+    __slots__ = ("_emitted", "_window", "num_tokens", "skip_special_tokens", "text")
 
     def __init__(self, skip_special_tokens: bool = True) -> None:
         self.skip_special_tokens = skip_special_tokens
@@ -55,10 +55,10 @@ class IncrementalDetokenizer:
 
     def reset(self) -> None:
         """Forget every completion token (the state of a completion with none)."""
-        self._ids: list[int] = []
+        self._window: list[int] = []
         """The window: the last emitted chunk's tokens, then the held-back ones."""
-        self._chunk = 0
-        """How many of ``_ids`` are the last emitted chunk."""
+        self._emitted = 0
+        """How many of ``_window`` are the last emitted chunk's tokens."""
         self.num_tokens = 0
         self.text = ""
 
@@ -71,21 +71,21 @@ class IncrementalDetokenizer:
         it raised on are in, that one and the rest are not."""
         start = len(self.text)
         for t in token_ids:
-            self._step(tokenizer, t)
+            self._add_token(tokenizer, t)
         return self.text[start:]
 
-    def _step(self, tokenizer: Detokenizer, t: int) -> None:
-        ids = [*self._ids, t]
+    def _add_token(self, tokenizer: Detokenizer, t: int) -> None:
+        ids = [*self._window, t]
         after = self._decode(tokenizer, ids)
-        before = self._decode(tokenizer, ids[: self._chunk]) if self._chunk else ""
+        before = self._decode(tokenizer, ids[: self._emitted]) if self._emitted else ""
         if len(after) <= len(before) or after.endswith(_FFFD):
-            self._ids, self.num_tokens = ids, self.num_tokens + 1  # held back
+            self._window, self.num_tokens = ids, self.num_tokens + 1  # held back
             return
         if not after.startswith(before):  # an earlier token's text changed: best effort
             before = before[: _common_prefix(before, after)]
-        chunk = ids[self._chunk :]
+        chunk = ids[self._emitted :]
         # One assignment once everything is computed: the token is in whole or not at all.
-        self._ids, self._chunk, self.num_tokens, self.text = (
+        self._window, self._emitted, self.num_tokens, self.text = (
             chunk,
             len(chunk),
             self.num_tokens + 1,
@@ -96,15 +96,15 @@ class IncrementalDetokenizer:
         """Emit what an incomplete character held back (the completion has ended, so no
         token will complete it): the text is then exactly what one ``decode`` of the
         whole completion gives, U+FFFD included. Idempotent."""
-        if self._chunk == len(self._ids):
+        if self._emitted == len(self._window):
             return ""
-        ids = self._ids
+        ids = self._window
         after = self._decode(tokenizer, ids)
-        before = self._decode(tokenizer, ids[: self._chunk]) if self._chunk else ""
+        before = self._decode(tokenizer, ids[: self._emitted]) if self._emitted else ""
         if not after.startswith(before):
             before = before[: _common_prefix(before, after)]
         delta = after[len(before) :]
-        self._chunk, self.text = len(ids), self.text + delta
+        self._emitted, self.text = len(ids), self.text + delta
         return delta
 
 
@@ -112,7 +112,7 @@ class StreamingDetokenizer(IncrementalDetokenizer):
     """``IncrementalDetokenizer``'s rule through ``tokenizers.decoders.DecodeStream`` over a
     ``tokenizers.Tokenizer`` whose ``decode`` is the tokenizer's (``make_detokenizer``).
 
-    It keeps the same window (``_ids``, ``_chunk``) beside the stream, so that when the
+    It keeps the same window (``_window``, ``_emitted``) beside the stream, so that when the
     stream refuses a token (its decoder changed earlier text) the Python rule takes over
     from there, for the rest of the completion."""
 
@@ -132,23 +132,23 @@ class StreamingDetokenizer(IncrementalDetokenizer):
         text: str = self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return text
 
-    def _step(self, tokenizer: Detokenizer, t: int) -> None:
+    def _add_token(self, tokenizer: Detokenizer, t: int) -> None:
         stream = self._stream
         if stream is None:
-            super()._step(tokenizer, t)
+            super()._add_token(tokenizer, t)
             return
         try:
             piece = stream.step(self._backend, t)
         except Exception:  # the stream's InvalidPrefix: the stream is given up
             self._stream = None
-            super()._step(tokenizer, t)
+            super()._add_token(tokenizer, t)
             return
-        ids = [*self._ids, t]
+        ids = [*self._window, t]
         if piece is None:
-            self._ids, self.num_tokens = ids, self.num_tokens + 1
+            self._window, self.num_tokens = ids, self.num_tokens + 1
             return
-        chunk = ids[self._chunk :]
-        self._ids, self._chunk, self.num_tokens, self.text = (
+        chunk = ids[self._emitted :]
+        self._window, self._emitted, self.num_tokens, self.text = (
             chunk,
             len(chunk),
             self.num_tokens + 1,

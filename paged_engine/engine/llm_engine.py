@@ -6,22 +6,23 @@ prefill chunk that samples nothing, or a ``SampleOutput`` carrying logprobs too)
 the whole loop be verified with a deterministic fake model in milliseconds, and the real
 runner (``worker/model_runner.py``) plug in unchanged.
 
-Every request is parsed and validated in full before any state changes (``inputs.py``): a
-refused request leaves the engine exactly as it was.
+Every request is parsed and validated in full before any state changes
+(``request_builder.py``): a refused request leaves the engine exactly as it was. A step
+schedules, runs the model and commits (the scheduler), then turns what it committed into
+outputs (``output_processor.py``, docs/design.md, "The output pipeline").
 
-Faults are part of the contract: an exception or a KeyboardInterrupt at any call of a step
-leaves the engine consistent and serving (tests/test_fault_points.py injects one at every
-call site a traced step reaches). Scheduling, the model and the scheduler's bookkeeping
-share one ``try``: whatever raises there, ``recover()`` preempts what the step had not
-committed (the scheduler's "Atomic steps"). Everything after the commit (noting results,
-text, the outputs) is idempotent work that the next step, ``abort_request`` or
-``generate``'s cleanup finishes first (``_settle``, ``OutputProcessor``), so no output is
-lost, none is reported twice, and no stop string is passed over.
+Faults are part of the contract (docs/design.md, "Atomic steps"): an exception or a
+KeyboardInterrupt at any call of a step leaves the engine consistent and serving
+(tests/test_fault_points.py injects one at every call site a traced step reaches).
+Scheduling, the model and the scheduler's bookkeeping share one ``try``: whatever raises
+there, ``recover()`` preempts what the step had not committed; what follows the commit is
+idempotent work that the next step, ``abort_request`` or ``generate``'s cleanup finishes
+first (``_settle``), so no output is lost, none is reported twice, and no stop string is
+passed over.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
@@ -30,20 +31,11 @@ from typing import Any, Protocol
 from paged_engine.config import EngineConfig
 from paged_engine.engine.batch import attach_partial_outputs, pair_prompts
 from paged_engine.engine.block_manager import BlockManager
-from paged_engine.engine.detokenizer import make_detokenizer, stream_backend
-from paged_engine.engine.inputs import (
-    Tokenizer,
-    check_request,
-    parse_params,
-    parse_prompt,
-)
+from paged_engine.engine.inputs import Tokenizer
 from paged_engine.engine.output_processor import OutputProcessor, RunnerResult
 from paged_engine.engine.progress import Progress
-from paged_engine.engine.request import (
-    Completion,
-    Request,
-    RequestOutput,
-)
+from paged_engine.engine.request import Request, RequestOutput
+from paged_engine.engine.request_builder import RequestBuilder
 from paged_engine.engine.scheduler import Allocator, Scheduler
 from paged_engine.engine.sequence import Sequence
 from paged_engine.engine.stats import RunStats, run_stats
@@ -55,13 +47,6 @@ __all__ = ["LLMEngine", "ModelRunner", "RequestOutput", "RunStats", "Tokenizer"]
 class ModelRunner(Protocol):
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SequenceABC[RunnerResult]:
         """One result per scheduled sequence (see the module docstring)."""
-        ...
-
-
-def child_seed(seed: int, index: int) -> int:
-    """The seed of completion ``index`` of a seeded request: ``seed`` itself for the first
-    (so ``n=1`` samples as before), a distinct odd-multiplier mix for the others."""
-    return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % 2**64
 
 
 class LLMEngine:
@@ -86,10 +71,8 @@ class LLMEngine:
             raise ValueError("the KV pool size is unknown: set config.num_kvcache_blocks")
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
-        if eos_token_id is None:
-            eos_ids: tuple[int, ...] = ()
-        elif isinstance(eos_token_id, int):
-            eos_ids = (eos_token_id,)
+        if eos_token_id is None or isinstance(eos_token_id, int):
+            eos_ids: tuple[int, ...] = () if eos_token_id is None else (eos_token_id,)
         else:
             eos_ids = tuple(eos_token_id)
         for e in eos_ids:
@@ -106,8 +89,6 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_ids
         self.tokenizer = tokenizer
-        self._text_backend = stream_backend(tokenizer)
-        """What streamed text is decoded through in Rust, or None (``detokenizer.py``)."""
         self.num_blocks = pool
         self.block_manager = block_manager or BlockManager(
             pool,
@@ -125,8 +106,8 @@ class LLMEngine:
             prefix_aware=config.enable_prefix_caching,
         )
         self._requests: dict[str, Request] = {}
-        self._salts = itertools.count()  # the private salts of prompt-logprobs requests
-        self.outputs = OutputProcessor(self._requests, self.scheduler, tokenizer)
+        self._builder = RequestBuilder(config, pool, vocab_size, tokenizer)
+        self.output_processor = OutputProcessor(self._requests, self.scheduler, tokenizer)
         self._next_id = 0
         self.last_run_stats: RunStats | None = None
 
@@ -148,61 +129,16 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        request = self._build(request_id, prompt, params, "add_request", stream=True)
+        request = self._builder.build(request_id, prompt, params, "add_request", stream=True)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self._enqueue(request)
-
-    def _build(
-        self, request_id: str, prompt: object, params: object, where: str, *, stream: bool
-    ) -> Request:
-        parsed = parse_prompt(prompt, self.tokenizer, self.vocab_size, where)
-        sp = parse_params(params, where)
-        has_tok = self.tokenizer is not None
-        sp = check_request(
-            parsed.token_ids,
-            sp,
-            self.config,
-            self.num_blocks,
-            where,
-            has_tokenizer=has_tok,
-            vocab_size=self.vocab_size,
-            tokenizer=self.tokenizer,
-        )
-        bs = self.config.kvcache_block_size
-        salt = parsed.cache_salt
-        if sp.prompt_logprobs is not None:
-            # Prompt logprobs need every prompt row computed: a salt no other request has
-            # makes the prefix cache miss (R4s), without a rule of its own. Completion 0
-            # alone computes the rows (vLLM returns them once per request); the others
-            # share its salt, so they hit its blocks, and their params do not ask.
-            # A counter, not an address: an id reused after its request finished would
-            # otherwise hit the earlier request's blocks (CPython reuses ids).
-            salt = f"{salt or ''}\x00prompt_logprobs\x00{request_id}\x00{next(self._salts)}"
-        incremental = has_tok and sp.detokenize and (stream or bool(sp.stop))
-        completions = []
-        for i in range(sp.n):
-            child = sp if sp.seed is None or i == 0 else replace(sp, seed=child_seed(sp.seed, i))
-            if i and sp.prompt_logprobs is not None:
-                child = replace(child, prompt_logprobs=None)
-            # parse_prompt checked the tokens, the config the block size (see the method).
-            seq = Sequence.from_checked_tokens(
-                list(parsed.token_ids), child, block_size=bs, cache_salt=salt
-            )
-            skip = sp.skip_special_tokens
-            detok = make_detokenizer(self._text_backend, skip) if incremental else None
-            completions.append(Completion(i, seq, detok))
-        request = Request(request_id, parsed.text, parsed.token_ids, sp, completions)
-        if sp.prompt_logprobs is not None:
-            request.prompt_logprobs = [None] * len(parsed.token_ids)
-            request.decoded_prompt_logprobs = [None] * len(parsed.token_ids)
-        return request
 
     def _enqueue(self, request: Request) -> None:
         self._requests[request.request_id] = request
         try:
             for c in request.completions:
-                self.outputs.owner[c.seq] = (request, c)
+                self.output_processor.completion_of[c.seq] = (request, c)
                 self.scheduler.add(c.seq)
         except BaseException:  # a KeyboardInterrupt between completions: none stays queued
             self.abort_request(request.request_id)
@@ -221,7 +157,7 @@ class LLMEngine:
             found = True
             for c in request.completions:
                 self.scheduler.abort(c.seq)
-            self.outputs.forget(request)
+            self.output_processor.forget(request)
         return found
 
     def has_unfinished_requests(self) -> bool:
@@ -255,28 +191,28 @@ class LLMEngine:
         return self._step(report_running=True)
 
     def _step(self, report_running: bool) -> list[RequestOutput]:
-        out, sched = self.outputs, self.scheduler
-        self._settle()  # what an interrupted step left: noted before anything new
-        out.catch_up()
+        out, sched = self.output_processor, self.scheduler
+        self._settle()  # what an interrupted step left: recorded before anything new
+        out.detokenize_pending()
         if not sched.is_finished():
             try:
                 seqs, is_prefill = sched.schedule()
                 results = self.model_runner.run(seqs, is_prefill)
-                tokens = out.absorb(seqs, results)
-                out.expect(seqs, tokens, report_running)
+                tokens = out.store_logprobs(seqs, results)
+                out.stage_step(seqs, tokens, report_running)
                 sched.postprocess(seqs, tokens, is_prefill)
             except BaseException:
                 self._settle()
                 raise
             self._settle()
-            out.catch_up()
-        return out.report(report_running)
+            out.detokenize_pending()
+        return out.collect_outputs(report_running)
 
     def _settle(self) -> None:
         """Finish the bookkeeping of the last step, wherever it stopped: preempt what it
-        left uncommitted (``Scheduler.recover``), then note the results of the sequences
+        left uncommitted (``Scheduler.recover``), then record the results of the sequences
         that committed, and only theirs. Each part may run again after an interruption."""
-        self.outputs.settle(self.scheduler.recover())
+        self.output_processor.record_committed(self.scheduler.recover())
 
     # ---- batch generation ------------------------------------------------------------------
 
@@ -302,7 +238,7 @@ class LLMEngine:
             )
         pairs = pair_prompts(prompts, params)
         requests = [
-            self._build(str(self._next_id + i), p, sp, f"prompt {i}", stream=False)
+            self._builder.build(str(self._next_id + i), p, sp, f"prompt {i}", stream=False)
             for i, (p, sp) in enumerate(pairs)
         ]
         self._next_id += len(requests)
@@ -322,7 +258,7 @@ class LLMEngine:
                 self._enqueue(r)
             progress = Progress(len(requests), stats, enabled=use_tqdm)
             while self.has_unfinished_requests():
-                if self.scheduler.is_finished() and not self.outputs.pending:
+                if self.scheduler.is_finished() and not self.output_processor.pending:
                     raise RuntimeError("generate: requests remain but nothing can run (a bug)")
                 done = self._step(report_running=False)
                 for out in done:
@@ -351,12 +287,12 @@ class LLMEngine:
         (the tokenizer raises again) is left out; the first exception is what propagates."""
         try:
             self._settle()
-            self.outputs.catch_up()
+            self.output_processor.detokenize_pending()
         except Exception:  # such a request is left out of partial_outputs
             pass
-        behind = self.outputs.behind
+        needs_text = self.output_processor.needs_text
         for r in requests:
             if r.request_id in outputs or not r.finished:
                 continue
-            if not any(c in behind for c in r.completions):
-                outputs[r.request_id] = r.output()
+            if not any(c in needs_text for c in r.completions):
+                outputs[r.request_id], _ = r.build_output()

@@ -1,22 +1,33 @@
-"""From a committed step's results to what ``step`` returns: logprobs stored by position,
-timings, finish reasons, text (incremental detokenisation and stop strings), and the
-vLLM-shaped outputs. It runs after the scheduler has committed, so it never has to undo
-anything: work it did not finish is simply still pending, and the next step finishes it
-first, before anything new is computed.
+"""The output pipeline: from the tokens a step samples to the ``RequestOutput``s ``step``
+returns (docs/design.md, "The output pipeline").
 
-Every stage can be interrupted (an exception or a KeyboardInterrupt at any call) and run
-again to the same result:
+``LLMEngine._step`` runs the stages in this order, each a method of ``OutputProcessor``:
 
-* A step's results wait in ``step_notes`` from before the scheduler commits them until
-  ``settle`` notes them. Those of the sequences ``recover()`` preempted are dropped first,
-  in one assignment (their tokens were dropped: no news, no first-token time). Noting is
-  idempotent: times are set once, news and pending text are sets.
-* ``catch_up`` finishes each completion's text or leaves it to be run again: the
-  detokenizer takes each token whole, the stop-string search resumes after the last text
-  it finished searching (``Completion.searched``), and ``Scheduler.finish_now`` may be
-  repeated.
-* ``report`` builds every output before it changes anything, then delivers them with no
-  call that could raise.
+1. ``store_logprobs(seqs, results)``: the model runner's results, one per scheduled
+   sequence; their logprobs are stored by position, the plain tokens returned.
+2. ``stage_step(seqs, tokens, report_running)``: the tokens wait in ``staged`` while the
+   scheduler commits them (``Scheduler.postprocess`` appends them to the sequences).
+3. ``record_committed(preempted)``: for every staged result but those of the sequences
+   ``Scheduler.recover`` preempted (their tokens are gone), the request's timings, its
+   news (``to_report``) and its completion's need of text (``needs_text``); then the
+   finish reasons of the sequences the scheduler finished.
+4. ``detokenize_pending()``: each completion in ``needs_text`` gets the text of its tokens
+   (``IncrementalDetokenizer``, or one ``decode`` once it finishes) and its decoded
+   logprobs; a stop string in the new text ends it there (``Scheduler.finish_now``).
+5. ``collect_outputs(report_running)``: one output per request in ``to_report``
+   (``Request.build_output``: cumulative or delta, the possible start of a stop string
+   held back); finished requests leave the engine.
+
+This runs after the scheduler has committed, so it never has to undo anything: work it
+did not finish is still pending (``pending``), and the next step, ``abort_request`` or
+``generate``'s cleanup finishes it first. Every stage can be interrupted (an exception or
+a KeyboardInterrupt at any call) and run again to the same result: ``staged`` is dropped
+in one assignment once recorded (the preempted sequences' first), and recording sets
+times once and news and pending text in dictionaries; the detokenizer takes each token
+whole, the stop-string search resumes after the text it has searched
+(``Completion.searched_chars``), ``finish_now`` may be repeated; ``collect_outputs``
+builds every output before it changes anything, then delivers them with no call that
+could raise.
 """
 
 from __future__ import annotations
@@ -28,13 +39,13 @@ from typing import Any
 
 from paged_engine.engine.detokenizer import IncrementalDetokenizer, find_stop
 from paged_engine.engine.inputs import Tokenizer
-from paged_engine.engine.outputs import FailedSample, SampleOutput, TokenLogprobs
+from paged_engine.engine.outputs import FailedSample, SampleOutput
 from paged_engine.engine.request import (
     Completion,
-    Logprob,
-    PositionLogprobs,
     Request,
     RequestOutput,
+    Sent,
+    vllm_logprobs,
 )
 from paged_engine.engine.scheduler import Scheduler
 from paged_engine.engine.sequence import Sequence
@@ -54,30 +65,36 @@ class OutputProcessor:
         """The engine's table of requests in flight (shared with it)."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.owner: dict[Sequence, tuple[Request, Completion]] = {}
-        self.behind: dict[Completion, Request] = {}
-        """Completions with tokens their text and logprobs do not cover yet."""
-        self.unreported: dict[str, Request] = {}
+        self.completion_of: dict[Sequence, tuple[Request, Completion]] = {}
+        """Each queued sequence's request and completion record."""
+        self.needs_text: dict[Completion, Request] = {}
+        """Completions with tokens their text and decoded logprobs do not cover yet."""
+        self.to_report: dict[str, Request] = {}
         """Requests with news since the last step returned (kept across a failed step)."""
-        self.step_notes: list[tuple[Sequence, StepResult]] = []
-        """The last step's results, from before the scheduler commits them until noted."""
-        self.all_news = False
-        """Whether the step of ``step_notes`` reports running requests (``step()``)."""
+        self.staged: list[tuple[Sequence, StepResult]] = []
+        """The last step's results, from before the scheduler commits them until recorded."""
+        self.report_running = False
+        """Whether the step of ``staged`` reports running requests (``step()``), or only
+        finished ones (``generate``)."""
 
     @property
     def pending(self) -> bool:
-        """Work left without a model step: results to note, text to produce, or outputs
+        """Work left without a model step: results to record, text to produce, or outputs
         to return."""
-        return bool(self.behind or self.unreported or self.step_notes or self.scheduler.finished)
+        return bool(self.needs_text or self.to_report or self.staged or self.scheduler.finished)
 
     def forget(self, request: Request) -> None:
         """Drop an aborted request's records."""
-        self.unreported.pop(request.request_id, None)
+        self.to_report.pop(request.request_id, None)
         for c in request.completions:
-            self.owner.pop(c.seq, None)
-            self.behind.pop(c, None)
+            self.completion_of.pop(c.seq, None)
+            self.needs_text.pop(c, None)
 
-    def absorb(self, seqs: list[Sequence], results: SequenceABC[RunnerResult]) -> list[StepResult]:
+    # ---- 1. and 2.: the step's results, until the scheduler commits them ------------------
+
+    def store_logprobs(
+        self, seqs: list[Sequence], results: SequenceABC[RunnerResult]
+    ) -> list[StepResult]:
         """Store the results' logprobs by position; return the plain tokens. Idempotent:
         a failed step's entries are overwritten when the positions are computed again."""
         if len(results) != len(seqs):
@@ -88,48 +105,53 @@ class OutputProcessor:
                 tokens.append(r)
                 continue
             tokens.append(r.token)
-            request, c = self.owner[seq]
+            request, c = self.completion_of[seq]
             if r.logprobs is not None:
-                _put(c.logprobs, seq.num_completion_tokens, r.logprobs)
+                _set_or_append(c.logprobs, seq.num_completion_tokens, r.logprobs)
             if r.prompt_logprobs and c.index == 0:  # the others never compute prompt rows
                 first = seq.num_cached_tokens + 1
                 for k, lp in enumerate(r.prompt_logprobs):
                     request.prompt_logprobs[first + k] = lp
         return tokens
 
-    def expect(self, seqs: list[Sequence], tokens: list[StepResult], all_news: bool) -> None:
-        """Hold the step's results until ``settle`` notes the ones the scheduler committed
-        (``all_news``: every request that produced a token has news, else only finished
-        ones are reported)."""
-        self.step_notes = list(zip(seqs, tokens, strict=True))
-        self.all_news = all_news
+    def stage_step(
+        self, seqs: list[Sequence], tokens: list[StepResult], report_running: bool
+    ) -> None:
+        """Hold the step's results until ``record_committed`` records the ones the scheduler
+        committed (``report_running``: every request that produced a token has news, else
+        only finished ones are reported)."""
+        self.staged = list(zip(seqs, tokens, strict=True))
+        self.report_running = report_running
 
-    def settle(self, undone: Iterable[Sequence]) -> None:
-        """Note the held results but those of ``undone`` (the sequences ``recover()``
-        preempted: their tokens are gone), then the finish reasons of the sequences the
-        scheduler finished. Safe to call at any time, and again after an interruption."""
-        if self.step_notes:
-            void = set(undone)
+    # ---- 3. what the scheduler committed -----------------------------------------------------
+
+    def record_committed(self, preempted: Iterable[Sequence]) -> None:
+        """Record the staged results but those of ``preempted`` (the sequences
+        ``Scheduler.recover`` preempted: their tokens are gone), then the finish reasons of
+        the sequences the scheduler finished. Safe to call at any time, and again after an
+        interruption."""
+        if self.staged:
+            void = set(preempted)
             if void:
-                self.step_notes = [(s, t) for s, t in self.step_notes if s not in void]
+                self.staged = [(s, t) for s, t in self.staged if s not in void]
             now = time.time()
-            for seq, t in self.step_notes:
-                self._note(seq, t, now)
-            self.step_notes = []
+            for seq, t in self.staged:
+                self._record_result(seq, t, now)
+            self.staged = []
         sched = self.scheduler
         while sched.finished:
             seq = sched.finished[0]
-            entry = self.owner.get(seq)
+            entry = self.completion_of.get(seq)
             if entry is not None:
                 request, c = entry
                 c.finish_reason, c.stop_reason = sched.finish_reason(seq), sched.stop_reason(seq)
-                self.behind[c] = request
-                self.unreported[request.request_id] = request
+                self.needs_text[c] = request
+                self.to_report[request.request_id] = request
             sched.finished.pop(0)
             sched.errors.pop(seq.seq_id, None)
 
-    def _note(self, seq: Sequence, t: StepResult, now: float) -> None:
-        entry = self.owner.get(seq)
+    def _record_result(self, seq: Sequence, t: StepResult, now: float) -> None:
+        entry = self.completion_of.get(seq)
         if entry is None:  # aborted since
             return
         request, c = entry
@@ -138,53 +160,59 @@ class OutputProcessor:
         if t is None:
             return
         params = request.params
-        if self.all_news and params.output_kind is not RequestOutputKind.FINAL_ONLY:
-            self.unreported[request.request_id] = request
+        if self.report_running and params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            self.to_report[request.request_id] = request
         if isinstance(t, int):
             request.last_token_time = now
             if request.first_token_time is None:
                 request.first_token_time = now
         if (
-            c.detok is not None
+            c.detokenizer is not None
             or params.logprobs is not None
             # every prompt row is computed once the first token is sampled
             or (params.prompt_logprobs is not None and c.seq.num_completion_tokens == 1)
         ):
-            self.behind[c] = request
+            self.needs_text[c] = request
 
-    def catch_up(self) -> None:
+    # ---- 4. text, decoded logprobs, stop strings ---------------------------------------------
+
+    def detokenize_pending(self) -> None:
         """Bring every completion's text and decoded logprobs up to its tokens; end the
         ones a stop string stops. Each completion is done, or left to be done again, if
         this raises."""
-        while self.behind:
-            c, request = next(iter(self.behind.items()))
+        while self.needs_text:
+            c, request = next(iter(self.needs_text.items()))
             self._detokenize(request, c)
-            del self.behind[c]
+            del self.needs_text[c]
 
     def _detokenize(self, request: Request, c: Completion) -> None:
         params, tok = request.params, self.tokenizer
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self._decode_logprobs(request, c)
-        if c.detok is not None and tok is not None:
-            self._stream_text(request, c, c.detok, tok)
+        if c.detokenizer is not None and tok is not None:
+            self._extend_text(request, c, c.detokenizer, tok)
         elif c.finish_reason is not None and tok is not None and params.detokenize:
             seq = c.seq
-            ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + _shown(c, params)]
+            start = seq.num_prompt_tokens
+            ids = seq.token_ids[start : start + _tokens_with_text(c, params)]
             c.text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
         if c.finish_reason is not None and request.finished and request.finished_time is None:
             request.finished_time = time.time()
 
-    def _stream_text(
+    def _extend_text(
         self, request: Request, c: Completion, detok: IncrementalDetokenizer, tok: Tokenizer
     ) -> None:
+        """The completion's new tokens through its detokenizer, and the new text searched
+        for stop strings."""
         params, seq = request.params, c.seq
         if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
             return  # a stop string ended it: its text is final
         if detok.num_tokens > seq.num_completion_tokens:  # a failed step dropped one
             detok.reset()
-            c.searched = 0
+            c.searched_chars = 0
         start = seq.num_prompt_tokens
-        detok.add(tok, seq.token_ids[start + detok.num_tokens : start + _shown(c, params)])
+        with_text = start + _tokens_with_text(c, params)
+        detok.add(tok, seq.token_ids[start + detok.num_tokens : with_text])
         if c.finish_reason == "error":
             c.text = detok.text
             return
@@ -193,58 +221,61 @@ class OutputProcessor:
         text = detok.text
         if (
             params.stop
-            and len(text) > c.searched
+            and len(text) > c.searched_chars
             and c.finish_reason != "stop"  # not ended by EOS or a stop token
             and seq.num_completion_tokens >= params.min_tokens
         ):
-            hit = find_stop(text, len(text) - c.searched, params.stop)
+            hit = find_stop(text, len(text) - c.searched_chars, params.stop)
             if hit is not None:
                 stop, at = hit
                 end = at + len(stop) if params.include_stop_str_in_output else at
                 if c.finish_reason is None:
                     self.scheduler.finish_now(seq)
                 c.text, c.finish_reason, c.stop_reason = text[:end], "stop", stop
-                self.unreported[request.request_id] = request
+                self.to_report[request.request_id] = request
                 return
-        c.text, c.searched = text, len(text)
+        c.text, c.searched_chars = text, len(text)
 
     def _decode_logprobs(self, request: Request, c: Completion) -> None:
         tok = self.tokenizer if request.params.detokenize else None
         n = c.seq.num_completion_tokens
-        for i in range(len(c.decoded), min(n, len(c.logprobs))):
-            _put(c.decoded, i, _as_dict(c.logprobs[i], tok))
+        for i in range(len(c.decoded_logprobs), min(n, len(c.logprobs))):
+            _set_or_append(c.decoded_logprobs, i, vllm_logprobs(c.logprobs[i], tok))
         if c.index == 0 and request.prompt_logprobs:
             decoded = request.decoded_prompt_logprobs
             if decoded[-1] is None:  # rows are decoded together: the last one means all
                 for p, lp in enumerate(request.prompt_logprobs):
                     if lp is not None and decoded[p] is None:
-                        decoded[p] = _as_dict(lp, tok)
+                        decoded[p] = vllm_logprobs(lp, tok)
 
-    def report(self, report_running: bool) -> list[RequestOutput]:
-        """Outputs for the requests with news; finished requests leave the engine."""
+    # ---- 5. the outputs ------------------------------------------------------------------------
+
+    def collect_outputs(self, report_running: bool) -> list[RequestOutput]:
+        """Outputs for the requests with news (only the finished ones unless
+        ``report_running``); finished requests leave the engine."""
         outputs: list[RequestOutput] = []
-        sent: list[tuple[Completion, int, int]] = []
+        sent: list[Sent] = []
         done: list[Request] = []
-        for request in self.unreported.values():
+        for request in self.to_report.values():
             finished = request.finished
             if finished or report_running:
-                out, marks = request.snapshot()
+                out, counts = request.build_output()
                 outputs.append(out)
-                sent += marks
+                sent += counts
                 if finished:
                     done.append(request)
         # Delivery: nothing below calls a Python function, so it cannot stop halfway.
         for c, tokens, chars in sent:
-            c.sent_tokens, c.sent_text = tokens, chars
+            c.sent_tokens, c.sent_chars = tokens, chars
         for request in done:
             del self.requests[request.request_id]
             for c in request.completions:
-                self.owner.pop(c.seq, None)
-        self.unreported.clear()
+                self.completion_of.pop(c.seq, None)
+        self.to_report.clear()
         return outputs
 
 
-def _shown(c: Completion, params: SamplingParams) -> int:
+def _tokens_with_text(c: Completion, params: SamplingParams) -> int:
     """How many of the completion's tokens have text: all but the token that ended it, an
     EOS or a stop token, unless ``include_stop_str_in_output`` (vLLM's rule)."""
     n = c.seq.num_completion_tokens
@@ -257,23 +288,9 @@ def _shown(c: Completion, params: SamplingParams) -> int:
     return n
 
 
-def _put(items: list[Any], i: int, value: Any) -> None:
+def _set_or_append(items: list[Any], i: int, value: Any) -> None:
     """``items[i] = value``, growing the list by one if ``i`` is just past its end."""
     if i < len(items):
         items[i] = value
     else:
         items.append(value)
-
-
-def _as_dict(lp: TokenLogprobs, tok: Tokenizer | None) -> PositionLogprobs:
-    """vLLM's shape: the token actually there first, then the top-k (decoded when there
-    is a tokenizer)."""
-
-    def text(t: int) -> str | None:
-        return None if tok is None else tok.decode([t])
-
-    out = {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token_id))}
-    for r, (t, v) in enumerate(lp.top, start=1):
-        if t not in out:
-            out[t] = Logprob(v, r, text(t))
-    return out

@@ -6,6 +6,9 @@ The record keeps what the scheduler does not: each completion's text, logprobs, 
 reason, and the request's timings. Every per-token list is indexed by position, so an
 entry written by a step that later failed is simply overwritten when the position is
 computed again (and never read past the tokens the sequence has).
+
+``Request.build_output`` is the output pipeline's last stage (docs/design.md, "The output
+pipeline"; ``output_processor.py`` runs the stages before it).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from paged_engine.engine.detokenizer import IncrementalDetokenizer
+from paged_engine.engine.detokenizer import Detokenizer, IncrementalDetokenizer
 from paged_engine.engine.outputs import TokenLogprobs
 from paged_engine.engine.sequence import Sequence
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
@@ -100,21 +103,27 @@ class Completion:
 
     index: int
     seq: Sequence
-    detok: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | None
     """Set when text is produced step by step (stop strings, streaming)."""
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """By completion position; only the first ``num_completion_tokens`` are real."""
-    decoded: list[PositionLogprobs] = field(default_factory=list)
+    decoded_logprobs: list[PositionLogprobs] = field(default_factory=list)
     """``logprobs`` as vLLM dictionaries with decoded tokens, by position."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_tokens: int = 0
-    """Tokens (and below, characters) already reported, for ``RequestOutputKind.DELTA``."""
-    sent_text: int = 0
-    searched: int = 0
+    """Tokens (and below, characters of ``text``) already delivered, for
+    ``RequestOutputKind.DELTA``."""
+    sent_chars: int = 0
+    searched_chars: int = 0
     """Characters of the detokenizer's text already searched for stop strings: what is
     new is what follows, however often the search is interrupted and run again."""
+
+
+Sent = tuple[Completion, int, int]
+"""``(completion, sent_tokens, sent_chars)``: what a DELTA completion's counts become once
+an output is delivered."""
 
 
 @dataclass(slots=True, eq=False)
@@ -139,26 +148,19 @@ class Request:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
-    def output(self) -> RequestOutput:
-        """A snapshot of the request now: cumulative, or for ``RequestOutputKind.DELTA``
-        only what is new since the last one (which this call then counts as sent)."""
-        out, sent = self.snapshot()
-        for c, tokens, chars in sent:
-            c.sent_tokens, c.sent_text = tokens, chars
-        return out
+    def build_output(self) -> tuple[RequestOutput, list[Sent]]:
+        """The request now: everything so far, or for ``RequestOutputKind.DELTA`` only what
+        is new since the last output delivered; with, for DELTA, the counts each
+        completion has once this output is delivered. Nothing is counted as sent here:
+        ``OutputProcessor.collect_outputs`` applies the counts only when every output of a
+        step is built, so an exception in between loses no delta.
 
-    def snapshot(self) -> tuple[RequestOutput, list[tuple[Completion, int, int]]]:
-        """``output()`` without counting anything as sent: the output, and for DELTA what
-        each completion's ``sent_tokens`` and ``sent_text`` become once it is delivered
-        (``OutputProcessor.report`` applies them only when every output of a step is
-        built, so an exception in between loses no delta)."""
+        While a completion runs, its last characters could be the start of a stop string:
+        ``held_back_chars`` of them are held back, so streamed text never has to be taken
+        back."""
         params = self.params
         delta = params.output_kind is RequestOutputKind.DELTA
-        # While a completion runs, its last characters could be the start of a stop
-        # string: they are held back, so streamed text never has to be taken back.
-        hold = 0
-        if params.stop and not params.include_stop_str_in_output:
-            hold = max(map(len, params.stop)) - 1
+        hold = held_back_chars(params)
         outs = []
         sent = []
         for c in self.completions:
@@ -170,12 +172,12 @@ class Request:
             lps = None
             cumulative = None
             if params.logprobs is not None:
-                lps = c.decoded[first:n]
+                lps = c.decoded_logprobs[first:n]
                 cumulative = sum(lp.logprob for lp in c.logprobs[:n])
             outs.append(
                 CompletionOutput(
                     index=c.index,
-                    text=text[c.sent_text :] if delta else text,
+                    text=text[c.sent_chars :] if delta else text,
                     token_ids=c.seq.token_ids[c.seq.num_prompt_tokens + first :],
                     cumulative_logprob=cumulative,
                     logprobs=lps,
@@ -205,3 +207,26 @@ class Request:
             ),
         )
         return out, sent
+
+
+def held_back_chars(params: SamplingParams) -> int:
+    """How many of a running completion's last characters its outputs hold back: one less
+    than the longest stop string (whole, it would have ended the completion), none when
+    there is none or stop strings stay in the output."""
+    if params.stop and not params.include_stop_str_in_output:
+        return max(map(len, params.stop)) - 1
+    return 0
+
+
+def vllm_logprobs(lp: TokenLogprobs, tok: Detokenizer | None) -> PositionLogprobs:
+    """A runner's logprobs at one position in vLLM's shape: the token actually there
+    first, then the top-k (decoded when there is a tokenizer)."""
+
+    def text(t: int) -> str | None:
+        return None if tok is None else tok.decode([t])
+
+    out = {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token_id))}
+    for r, (t, v) in enumerate(lp.top, start=1):
+        if t not in out:
+            out[t] = Logprob(v, r, text(t))
+    return out

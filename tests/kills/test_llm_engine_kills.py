@@ -1,5 +1,6 @@
-"""Tests that kill mutants mutmut (tox -e mutation) found alive in engine/llm_engine.py
-(the rest of the engine's front end is in test_engine_kills.py).
+"""Tests that kill mutants mutmut (tox -e mutation) found alive in engine/llm_engine.py and
+engine/request_builder.py (which was part of it: the mutants named ``_build`` are now
+``RequestBuilder.build``'s); the rest of the engine's front end is in test_engine_kills.py.
 
 Each section names what it kills. The expected values never come from the code under test:
 they are written out by hand from the documented behaviour.
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 
 from paged_engine.config import EngineConfig
-from paged_engine.engine.llm_engine import LLMEngine, child_seed
+from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request import Request
+from paged_engine.engine.request_builder import child_seed
 from paged_engine.engine.scheduler import Scheduler
 from paged_engine.engine.sequence import Sequence
 from paged_engine.sampling_params import SamplingParams
@@ -63,9 +65,10 @@ def _fields(config: EngineConfig) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# _build: the refusal names its caller (kills _build__mutmut_12, ``where`` None), and the
-# sequences carry the prompt's cache salt (kills _47, the salt dropped) and, with prompt
-# logprobs, a salt that starts with it (kills _53, ``salt and ''``; _54, "XXXX" for none).
+# RequestBuilder.build (``_build`` then): the refusal names its caller (kills
+# _build__mutmut_12, ``where`` None), and the sequences carry the prompt's cache salt
+# (kills _47, the salt dropped) and, with prompt logprobs, a salt that starts with it
+# (kills _53, ``salt and ''``; _54, "XXXX" for none).
 # --------------------------------------------------------------------------------------------
 
 
@@ -152,7 +155,7 @@ def test_only_streams_and_stop_strings_get_an_incremental_detokenizer(
     else:
         engine.generate([[1, 2, 3]], params, use_tqdm=False)
     (request,) = engine.seen
-    assert [c.detok is not None for c in request.completions] == [expected]
+    assert [c.detokenizer is not None for c in request.completions] == [expected]
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -160,13 +163,14 @@ def test_the_detokenizer_keeps_the_requests_skip_special_tokens(skip: bool) -> N
     engine = _recording(FakeTokenizer())
     engine.add_request("r", [1, 2, 3], SamplingParams(skip_special_tokens=skip))
     (completion,) = engine.seen[0].completions
-    assert completion.detok is not None
-    assert completion.detok.skip_special_tokens is skip
+    assert completion.detokenizer is not None
+    assert completion.detokenizer.skip_special_tokens is skip
 
 
 # --------------------------------------------------------------------------------------------
 # step() after a postprocess that raised halfway: the sequences it committed are still
-# news for the next step() (kills _step__mutmut_35, their note made with all_news None).
+# news for the next step() (kills _step__mutmut_35, their results recorded with
+# report_running None).
 # --------------------------------------------------------------------------------------------
 
 

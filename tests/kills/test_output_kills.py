@@ -278,20 +278,21 @@ def test_a_prompt_ending_in_a_lead_byte_then_a_special_token_is_no_context() -> 
 
 
 # --------------------------------------------------------------------------------------------
-# OutputProcessor.absorb refuses a result count that is not the batch's: kills
-# xǁOutputProcessorǁabsorb__mutmut_2 (no message). Its check is what makes every later
-# zip over the step's sequences and tokens equal-length (see tests/equivalent_mutants.md).
+# OutputProcessor.store_logprobs refuses a result count that is not the batch's: kills
+# xǁOutputProcessorǁabsorb__mutmut_2 (no message; ``absorb`` was its name then). Its check
+# is what makes every later zip over the step's sequences and tokens equal-length (see
+# tests/equivalent_mutants.md).
 # --------------------------------------------------------------------------------------------
 
 
-def test_absorb_refuses_a_result_count_that_is_not_the_batchs() -> None:
+def test_store_logprobs_refuses_a_result_count_that_is_not_the_batchs() -> None:
     from tests.engine_machine import build_engine
-    from tests.kills.test_engine_kills import RESET_CONFIG
+    from tests.kills.test_llm_engine_kills import CONFIG
 
-    engine = build_engine(RESET_CONFIG, spec=False)
+    engine = build_engine(CONFIG, spec=False)
     try:
-        engine.outputs.absorb([], [5])
+        engine.output_processor.store_logprobs([], [5])
     except RuntimeError as e:
         assert str(e) == "the model runner returned 1 results for 0"
     else:
-        raise AssertionError("absorb took one result for no sequence")
+        raise AssertionError("store_logprobs took one result for no sequence")

@@ -3,9 +3,11 @@ through a whole engine: a fake model whose sampled results a test scripts per se
 and test_output_kills.py's byte tokenizer (a lead byte that waits for its continuation,
 a special token).
 
-Each section names what it kills. The expected values are written out by hand from the
-script; where a mutant would crash rather than answer differently, the test compares the
-outcome (outputs, or the exception's type) so that a wrong answer is an AssertionError.
+Each section names what it kills (mutant names from the run, before issue 22 renamed the
+output path: tests/equivalent_mutants.md maps them). The expected values are written out
+by hand from the script; where a mutant would crash rather than answer differently, the
+test compares the outcome (outputs, or the exception's type) so that a wrong answer is an
+AssertionError.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ LONG = {"ignore_eos": True}
 # lead byte still waiting: kills _detokenize__mutmut_12 (the detokenizer reset when it is
 # up to date: text ""), _15 and _16 (the "error" test never true: the lead byte flushed),
 # _17 (text None), note__mutmut_33 (the scheduler's error record kept) and
-# report__mutmut_4 (finished sequences kept in the owner table).
+# report__mutmut_4 (finished sequences kept in ``completion_of``).
 # --------------------------------------------------------------------------------------------
 
 
@@ -109,7 +111,7 @@ def test_a_failed_sample_ends_with_the_text_so_far_and_leaves_no_records() -> No
     (c,) = out.outputs
     assert (c.text, c.finish_reason, c.token_ids) == ("a", "error", [3, 1])
     assert engine.scheduler.errors == {}
-    assert engine.outputs.owner == {}
+    assert engine.output_processor.completion_of == {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +194,7 @@ def test_a_failed_steps_logprobs_are_replaced_by_the_recomputed_ones() -> None:
         runner.script[seq] = [_lp(-1.0), _lp(-2.0), _lp(-3.0)]
         engine.step()  # the prefill: token 1, logprob -1.0
         sched: Any = engine.scheduler
-        sched.fail_seq = seq  # the decode's postprocess raises after absorb stored -2.0
+        sched.fail_seq = seq  # the decode's postprocess raises after store_logprobs stored -2.0
         assert _outcome(engine.step) == "RuntimeError"
         outs = []
         while engine.has_unfinished_requests():

@@ -1,5 +1,6 @@
 """Tests that kill mutants mutmut (tox -e mutation) found alive in engine/request.py:
-``Request.output``'s held-back text and its logprob fields, on hand-built records.
+``Request.build_output``'s held-back text and its logprob fields, on hand-built records
+(mutant names from the run, when it was ``Request.output``).
 
 Each section names what it kills; the expected outputs are written out by hand.
 """
@@ -17,7 +18,7 @@ def _request(params: SamplingParams, text: str, **completion: object) -> Request
     seq = Sequence([1, 2, 3], params, block_size=4)
     for token in (7, 8, 9):
         seq.append_token(token)
-    c = Completion(index=0, seq=seq, detok=None, text=text, **completion)  # type: ignore[arg-type]
+    c = Completion(index=0, seq=seq, detokenizer=None, text=text, **completion)  # type: ignore[arg-type]
     return Request("r", None, [1, 2, 3], params, [c])
 
 
@@ -30,11 +31,11 @@ def _request(params: SamplingParams, text: str, **completion: object) -> Request
 
 def test_running_text_holds_back_one_character_less_than_the_longest_stop() -> None:
     params = SamplingParams(stop=("abc", "xy"), max_tokens=10)
-    assert _request(params, "hello wor").output().outputs[0].text == "hello w"
-    assert _request(params, "he").output().outputs[0].text == ""
-    assert _request(params, "h").output().outputs[0].text == ""
+    assert _request(params, "hello wor").build_output()[0].outputs[0].text == "hello w"
+    assert _request(params, "he").build_output()[0].outputs[0].text == ""
+    assert _request(params, "h").build_output()[0].outputs[0].text == ""
     finished = _request(params, "hello wor", finish_reason="length")
-    assert finished.output().outputs[0].text == "hello wor"  # nothing held once finished
+    assert finished.build_output()[0].outputs[0].text == "hello wor"  # nothing held once finished
 
 
 # --------------------------------------------------------------------------------------------
@@ -44,14 +45,14 @@ def test_running_text_holds_back_one_character_less_than_the_longest_stop() -> N
 
 
 def test_logprob_fields_are_none_unless_asked_and_the_sum_when_asked() -> None:
-    out = _request(SamplingParams(max_tokens=10), "abc").output().outputs[0]
+    out = _request(SamplingParams(max_tokens=10), "abc").build_output()[0].outputs[0]
     assert out.logprobs is None and out.cumulative_logprob is None
     lps = [TokenLogprobs(t, lp, 1, ()) for t, lp in ((7, -0.5), (8, -1.25), (9, -2.0))]
     decoded = [{7: "a"}, {8: "b"}, {9: "c"}]
     asked = _request(
-        SamplingParams(max_tokens=10, logprobs=0), "abc", logprobs=lps, decoded=decoded
+        SamplingParams(max_tokens=10, logprobs=0), "abc", logprobs=lps, decoded_logprobs=decoded
     )
-    out = asked.output().outputs[0]
+    out = asked.build_output()[0].outputs[0]
     assert out.cumulative_logprob == -3.75  # -0.5 - 1.25 - 2.0, exact in binary
     assert out.logprobs == decoded
     assert out.token_ids == [7, 8, 9]
@@ -63,7 +64,7 @@ def test_logprob_fields_are_none_unless_asked_and_the_sum_when_asked() -> None:
 
 
 def test_prompt_logprobs_are_none_unless_asked() -> None:
-    assert _request(SamplingParams(max_tokens=10), "abc").output().prompt_logprobs is None
+    assert _request(SamplingParams(max_tokens=10), "abc").build_output()[0].prompt_logprobs is None
     asked = _request(SamplingParams(max_tokens=10, prompt_logprobs=0), "abc")
     asked.decoded_prompt_logprobs = [None, {2: "b"}, {3: "c"}]
-    assert asked.output().prompt_logprobs == [None, {2: "b"}, {3: "c"}]
+    assert asked.build_output()[0].prompt_logprobs == [None, {2: "b"}, {3: "c"}]
