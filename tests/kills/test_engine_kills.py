@@ -16,8 +16,9 @@ import pytest
 from paged_engine.config import EngineConfig
 from paged_engine.engine import progress as progress_module
 from paged_engine.engine.block_manager import BlockManager
-from paged_engine.engine.llm_engine import LLMEngine, child_seed
+from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.progress import Progress
+from paged_engine.engine.request_builder import child_seed
 from paged_engine.engine.scheduler import Scheduler, SchedulerStats
 from paged_engine.engine.sequence import Sequence, SequenceStatus
 from paged_engine.engine.stats import RunStats, run_stats
@@ -55,7 +56,7 @@ def test_a_failed_generate_notes_its_finished_outputs_only_when_there_are_some(
 
 
 # --------------------------------------------------------------------------------------------
-# LLMEngine.reset_prefix_cache and child_seed (engine/llm_engine.py): no test in the selection
+# LLMEngine.reset_prefix_cache and child_seed (engine/request_builder.py): no test in the selection
 # called either (the allocator's R13 is tested on its own; n > 1 seeds only through a model).
 # --------------------------------------------------------------------------------------------
 
@@ -337,11 +338,11 @@ def test_abort_leaves_no_output_records() -> None:
     engine = build_engine(RESET_CONFIG, spec=False)
     engine.add_request("a", [1, 2, 3], RESET_PARAMS)
     engine.step()
-    outputs = engine.outputs
+    outputs = engine.output_processor
     (request,) = [r for r in outputs.requests.values() if r.request_id == "a"]
-    outputs.behind[request.completions[0]] = request  # as if its text were still pending
+    outputs.needs_text[request.completions[0]] = request  # as if its text were still pending
     assert engine.abort_request("a") is True
-    assert not outputs.owner and not outputs.behind and not outputs.pending
+    assert not outputs.completion_of and not outputs.needs_text and not outputs.pending
 
 
 # Progress's tqdm settings (engine/progress.py): kills xǁProgressǁ__init____mutmut_9, 13, 17
@@ -424,9 +425,10 @@ def test_a_vocabulary_of_one_token_is_accepted() -> None:
     assert engine.vocab_size == 1
 
 
-# A seeded request's completions (engine/llm_engine.py _build): the first keeps the seed, the
-# others get seed + i x 0x9E3779B97F4A7C15 mod 2**64 (child_seed's docstring), written out
-# here: kills xǁLLMEngineǁ_build__mutmut_34 and 37 to 46. And what a fresh engine reports:
+# A seeded request's completions (engine/request_builder.py, RequestBuilder.build): the
+# first keeps the seed, the others get seed + i x 0x9E3779B97F4A7C15 mod 2**64
+# (child_seed's docstring), written out here: kills xǁLLMEngineǁ_build__mutmut_34 and
+# 37 to 46. And what a fresh engine reports:
 # kills __init____mutmut_27 (eos ids None) and 65 (last_run_stats "").
 # --------------------------------------------------------------------------------------------
 
