@@ -1,12 +1,13 @@
 """The scheduler lockstep machine over the real scheduler, for mutmut's test selection only.
 
-tests/test_scheduler_machine.py binds the same machine, but it also imports
-tests/scheduler_mutants.py, whose patched-source mutants read the scheduler's source with
-``inspect.getsource``: under mutmut that source is the trampolined copy, where every edit's
-text occurs once per mutant, so the module fails to import. This file binds the machine
-alone. Its name does not match ``test_*.py``, so the ordinary suite (which runs
-TestSchedulerMachine from test_scheduler_machine.py) does not collect it twice; mutmut
-collects it because [tool.mutmut] names it explicitly.
+tests/test_scheduler_machine.py binds the same machine, with exact examples beside it.
+This file once existed because that one imported mutants built by patching the
+scheduler's source at import, which failed under mutmut's trampolined copy; mutants are
+now built only inside the tests that hunt them (tests/scheduler_mutants.py), so either
+file imports there. This one stays because pyproject.toml's [tool.mutmut] selection names
+it, and changing that list resets every verdict mutmut has recorded. Its name does not
+match ``test_*.py``, so the ordinary suite (which runs TestSchedulerMachine from
+test_scheduler_machine.py) does not collect it twice.
 """
 
 from __future__ import annotations

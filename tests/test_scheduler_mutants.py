@@ -6,11 +6,17 @@ machine compares the engine's scheduler with the spec's, so it sees policy and
 statistics; the engine machine compares whole engines with the model run alone, so it
 sees what reaches the outputs. The real code passes both hunts at the same budget
 (``HUNT``), and the engine mutants fail the engine tests that pin their behaviour.
+
+Each mutant is built inside its own test, before the hunt: a patch that no longer
+applies fails that one test with ``StaleMutant`` (never an AssertionError, so never
+taken for a catch), naming the mutant and the hunk. The patch machinery's own refusals
+are shown at the end, on patches written here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import Phase, settings
@@ -33,22 +39,23 @@ HUNT = settings(
     phases=[Phase.generate],
     report_multiple_bugs=False,
 )
-SCHEDULER_MUTANTS = m.SUBCLASS_MUTANTS + m.HELD_OUT_MUTANTS + m.RULE_MUTANTS
 
 
-@pytest.mark.parametrize("mutant", SCHEDULER_MUTANTS, ids=[c.__name__ for c in SCHEDULER_MUTANTS])
-def test_the_scheduler_machine_catches(mutant: type) -> None:
+@pytest.mark.parametrize("name", m.SCHEDULER_MUTANTS)
+def test_the_scheduler_machine_catches(name: str) -> None:
+    mutant = m.build(name)  # outside pytest.raises: a stale mutant is no catch
     with pytest.raises(AssertionError) as caught:
         run_state_machine_as_test(scheduler_machine.make_machine(mutant), settings=HUNT)
     # The machine reports an engine that raised as a difference; that is a crash, not a
     # catch by the comparison.
     assert caught.value.__cause__ is None or not str(caught.value).startswith("the engine's "), (
-        f"{mutant.__name__} was caught only by crashing: {caught.value.__cause__!r}"
+        f"{name} was caught only by crashing: {caught.value.__cause__!r}"
     )
 
 
-@pytest.mark.parametrize("mutant", m.SUBCLASS_MUTANTS, ids=[c.__name__ for c in m.SUBCLASS_MUTANTS])
-def test_the_engine_machine_catches(mutant: type) -> None:
+@pytest.mark.parametrize("name", m.ENGINE_HUNTED)
+def test_the_engine_machine_catches(name: str) -> None:
+    mutant = m.build(name)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(engine_machine.make_machine(mutant), settings=HUNT)
 
@@ -84,3 +91,86 @@ def test_a_prefill_chunk_sized_from_the_prompt_fails_the_liveness_test() -> None
     never finishes its prefill: before the step guard, the liveness test hung."""
     with pytest.raises(AssertionError):
         check_liveness_with_the_smallest_legal_pool(m.ChunkFromPrompt)
+
+
+# ---- the mutants' bookkeeping --------------------------------------------------------------
+
+
+def test_every_mutant_is_hunted_once_and_every_patch_file_is_a_mutant() -> None:
+    names = m.SCHEDULER_MUTANTS
+    assert len(names) == len(set(names)) == len(m.SUBCLASSES) + len(m.PATCHES)
+    assert set(names) == set(m.SUBCLASSES) | set(m.PATCHES)
+    assert set(m.ENGINE_HUNTED) <= set(m.SUBCLASSES)
+    assert sorted(p.stem for p in m.PATCH_DIR.glob("*.patch")) == sorted(m.PATCHES)
+
+
+@pytest.mark.parametrize("name", m.PATCHES)
+def test_a_patch_mutant_is_the_scheduler_with_its_part_patched(name: str) -> None:
+    mutant = m.build(name)
+    assert issubclass(mutant, m.Scheduler) and mutant.__name__ == name
+    patched = mutant.__mro__[1]
+    assert patched.__module__ == f"scheduler_mutant_{name}"
+    assert mutant.__doc__ and mutant.__doc__.startswith(name)  # the patch's description
+
+
+# ---- the patch machinery refuses, by name, a patch that does not apply --------------------
+
+HEADER = "--- a/paged_engine/engine/preemption.py\n+++ b/paged_engine/engine/preemption.py\n"
+HUNK = (
+    "@@ -35,3 +35,3 @@\n"
+    "             while not block_manager.can_append(seq):\n"
+    "                 if running:\n"
+    "-                    victim = running[-1]  # S7: the most recently admitted\n"
+    "+                    victim = running[0]\n"
+)
+
+
+def _patch(tmp_path: Path, name: str, text: str) -> Path:
+    (tmp_path / f"{name}.patch").write_text(text, encoding="utf-8")
+    return tmp_path
+
+
+def test_a_well_formed_patch_builds_a_mutant(tmp_path: Path) -> None:
+    """The control for the refusals below: the same hunk, as written, applies."""
+    mutant = m.from_patch("VictimControl", _patch(tmp_path, "VictimControl", HEADER + HUNK))
+    assert issubclass(mutant, m.Scheduler)
+    assert mutant._schedule_decode is not m.Scheduler._schedule_decode
+
+
+def test_a_hunk_that_no_longer_applies_names_the_mutant_and_the_hunk(tmp_path: Path) -> None:
+    stale = HUNK.replace("the most recently admitted", "the newest")
+    second = (
+        "@@ -1,1 +1,1 @@\n-from __future__ import annotations\n+from __future__ import division\n"
+    )
+    text = "Stale (a test's): made up.\n\n" + HEADER + second + stale
+    with pytest.raises(m.StaleMutant) as refused:
+        m.from_patch("Stale", _patch(tmp_path, "Stale", text))
+    message = str(refused.value)
+    assert message.startswith("mutant Stale: hunk #2 (@@ -35,3 +35,3 @@) of Stale.patch")
+    assert "no longer applies to paged_engine/engine/preemption.py" in message
+    assert "victim = running[-1]  # S7: the newest" in message
+    assert not isinstance(refused.value, AssertionError)
+
+
+def test_a_hunk_found_twice_is_refused_as_ambiguous(tmp_path: Path) -> None:
+    source = (m.ROOT / "paged_engine/engine/scheduler.py").read_text(encoding="utf-8")
+    lines = source.splitlines(keepends=True)
+    twice = next(line for line in lines if line.strip() and lines.count(line) == 2)
+    text = (
+        HEADER.replace("preemption", "scheduler")
+        + f"@@ -1,1 +1,1 @@\n-{twice}+{twice.rstrip()}  # changed\n"
+    )
+    with pytest.raises(
+        m.StaleMutant, match=r"hunk #1 .* matches .*scheduler\.py at lines \d+, \d+: "
+    ):
+        m.from_patch("Twice", _patch(tmp_path, "Twice", text))
+
+
+def test_a_missing_patch_or_a_patch_outside_the_engine_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(m.StaleMutant, match=r"mutant Gone: .*Gone\.patch is missing"):
+        m.from_patch("Gone", tmp_path)
+    outside = HEADER.replace("engine/preemption", "config") + HUNK
+    with pytest.raises(m.StaleMutant, match=r"paged_engine/config\.py is not a module"):
+        m.from_patch("Outside", _patch(tmp_path, "Outside", outside))
+    with pytest.raises(KeyError, match="no scheduler mutant named 'Nameless'"):
+        m.build("Nameless")

@@ -1,7 +1,10 @@
-"""Tests that kill mutants mutmut (tox -e mutation) found alive in engine/scheduler.py.
+"""Tests that kill mutants mutmut (tox -e mutation) found alive in the scheduler.
 
-Each section names what it kills. Expected values come from DESIGN.md's rules written out
-by hand (R4's hash chain straight from xxhash), never from the scheduler.
+Each section names what it kills, by the ids of the mutmut run that found them, when the
+scheduler was one file, engine/scheduler.py: ``allocator_chain`` and ``__init__`` are now
+in engine/scheduler_state.py, ``_schedule_decode`` in engine/preemption.py. Expected
+values come from docs/design.md's rules written out by hand (R4's hash chain straight
+from xxhash), never from the scheduler.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import xxhash
 
 from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.outputs import FailedSample
-from paged_engine.engine.scheduler import Scheduler, allocator_chain
+from paged_engine.engine.scheduler import Scheduler
+from paged_engine.engine.scheduler_state import allocator_chain
 from paged_engine.engine.sequence import Sequence, SequenceStatus
 from paged_engine.sampling_params import SamplingParams
 from spec.block_manager import BlockManager as SpecBlockManager
@@ -87,7 +91,7 @@ def test_prefix_aware_admission_refuses_an_allocator_without_a_chain_by_name() -
         max_model_len=16,
         prefix_aware=False,
     )
-    assert sched._chain is None
+    assert sched._hash_chain is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,7 +160,7 @@ def test_by_default_a_request_waits_for_the_blocks_an_earlier_one_computes() -> 
     sched, first, second = _two_sharing_a_prefix()
     assert sched.prefix_aware is True
     # The first computes blocks 0 and 1 in this step; the second would compute the same
-    # two again, so it is deferred (the module docstring's rule) ...
+    # two again, so it is deferred (S5, engine/admission.py) ...
     assert sched.schedule() == ([first], True)
     assert list(sched.waiting) == [second]
     # ... and without prefix awareness both run at once.
