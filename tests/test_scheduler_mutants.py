@@ -104,6 +104,17 @@ def test_every_mutant_is_hunted_once_and_every_patch_file_is_a_mutant() -> None:
     assert sorted(p.stem for p in m.PATCH_DIR.glob("*.patch")) == sorted(m.PATCHES)
 
 
+@pytest.mark.parametrize("name", sorted(m.SUBCLASSES))
+def test_a_subclass_mutant_overrides_only_what_the_scheduler_has(name: str) -> None:
+    """A method the scheduler renamed would leave its mutant overriding nothing: named
+    here, at once, rather than as a hunt that finds no defect."""
+    mutant = m.SUBCLASSES[name]
+    overridden = {k for k, v in vars(mutant).items() if callable(v) and not k.startswith("__")}
+    assert overridden, f"{name} overrides nothing"
+    missing = sorted(k for k in overridden if not callable(getattr(m.Scheduler, k, None)))
+    assert not missing, f"{name} overrides {missing}, which Scheduler no longer has"
+
+
 @pytest.mark.parametrize("name", m.PATCHES)
 def test_a_patch_mutant_is_the_scheduler_with_its_part_patched(name: str) -> None:
     mutant = m.build(name)
