@@ -4,7 +4,7 @@ The same code drives the spec and the engine, so any difference in the timings i
 allocators' (and their sequence types'). The model is fake: a step "computes" the
 scheduled tokens instantly and "samples" the request's next scripted token.
 
-Each step follows nano-vllm's scheduler (seed 000, §3.5):
+Each step follows nano-vllm's scheduler (docs/design.md, "Scheduler rules"):
 
 * **Prefill first.** Admit from the head of the waiting queue while ``can_allocate``
   says yes, the step has token budget left and fewer than ``max_num_seqs`` are batched;
@@ -63,7 +63,7 @@ class SimSequence(Protocol):
 
 
 class Allocator(Protocol):
-    """The allocator API under test (DESIGN.md, "Public API")."""
+    """The allocator API under test (docs/design.md, "Allocator rules")."""
 
     def can_allocate(self, seq: SimSequence, /) -> int | None: ...
 

@@ -4,7 +4,7 @@ Two measurements per hash and block size (16 and 256 tokens), each over fresh se
 built in ``setup``, outside the timed region (a sequence caches its hash chain, so a round
 that reused sequences would time nothing):
 
-* ``chain``: ``_block_hashes`` over sequences whose blocks are already packed: the hash
+* ``chain``: ``hash_chain`` over sequences whose blocks are already packed: the hash
   and the loop around it, nothing else;
 * ``can_allocate``: admission's lookup on an empty cache, what the scheduler pays for a
   new prompt: packing, hashing and the map probes.
@@ -15,6 +15,7 @@ The figure is nanoseconds per block (``extra_info``: ``ns_per_block_min`` and
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import pytest
@@ -47,15 +48,20 @@ def _fresh(block_size: int, algorithm: str, pack: bool) -> tuple[BlockManager, l
         Sequence([(i * 7919 + s * 104_729) % 150_000 for i in range(n)], block_size=block_size)
         for s in range(NUM_SEQS)
     ]
-    if pack:
+    if pack:  # as hash_chain packs them (int64 LE, one bytes object per block)
+        block = struct.Struct(f"<{block_size}q")
         for seq in seqs:
-            bm._packed_blocks(seq, BLOCKS_PER_SEQ)
+            tokens = seq.token_ids
+            seq.block_bytes[:] = [
+                block.pack(*tokens[i * block_size : (i + 1) * block_size])
+                for i in range(BLOCKS_PER_SEQ)
+            ]
     return bm, seqs
 
 
 def _chain(bm: BlockManager, seqs: list[Sequence]) -> None:
     for seq in seqs:
-        bm._block_hashes(seq, BLOCKS_PER_SEQ)
+        bm.hash_chain(seq, BLOCKS_PER_SEQ)
 
 
 def _can_allocate(bm: BlockManager, seqs: list[Sequence]) -> None:

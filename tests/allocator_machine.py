@@ -6,7 +6,7 @@ evictions happen constantly. Each new sequence draws a cache salt (R4s) from
 ``SALTS``, so salted and unsalted copies of one prompt meet, and each run draws the hash
 algorithm. Prefix-cache resets (R13) come both refused and granted. ``make_machine``
 parameterises the engine side, so the same machine runs the real allocator and every
-mutant in tests/mutants.py.
+mutant in tests/allocator_mutants.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def _int64(tokens: list[int]) -> bytes:
 
 
 def _expected_chain(alg: str, blocks: list[list[int]], salt: str | None) -> list[int]:
-    """R4 / R4s from their statements in DESIGN.md, with numpy, xxhash and hashlib."""
+    """R4 / R4s from their statements in docs/design.md, with numpy, xxhash and hashlib."""
 
     def h(prefix: int | None, tokens: list[int]) -> int:
         if alg == "xxh64":

@@ -1,10 +1,10 @@
 """R12 clause by clause: each checker fails on the corruption each clause forbids.
 
-R12 (../shared/DESIGN.md): (a) the free queue and the used set partition the pool with no
-duplicates; (b) ``ref_count == 0`` exactly for blocks in the free queue; (c) with
-``seqs``, each block's ``ref_count`` is the number of tables holding it; (d) every map
-entry ``h -> b`` has ``block_hashes[b] == h``; (e) every block with ``ref_count > 1`` is
-full and hashed.
+R12 (docs/design.md, "Allocator rules"): (a) the free queue and the used set partition
+the pool with no duplicates; (b) ``ref_count == 0`` exactly for blocks in the free queue;
+(c) with ``seqs``, each block's ``ref_count`` is the number of tables holding it; (d)
+every map entry ``h -> b`` has ``block_hashes[b] == h``; (e) every block with
+``ref_count > 1`` is full and hashed.
 
 Three checkers state it: the engine's ``BlockPool.check_invariants``, the spec's
 ``BlockManager.check_invariants``, and the spec class's ``inv:`` lines (what CrossHair
@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.sequence import Sequence
 from spec.block_manager import BlockManager as SpecBlockManager
 from spec.sequence import SpecSequence
+from tests import allocator_mutants
 
 BLOCK_SIZE = 2
 POOL = 8
@@ -336,17 +338,6 @@ def test_a_map_entry_naming_no_block_fails_the_check(
 # ---- the remembered lookup -----------------------------------------------------------------
 
 
-class MemoIgnoresLength(BlockManager):
-    """The mutant: ``can_allocate``'s remembered lookup keyed on the sequence and the
-    state version only, not on the sequence's length."""
-
-    def _hits(self, seq: Sequence) -> tuple[list[int], int]:
-        memo = self._memo
-        if memo is not None and memo[0] is seq and memo[1] == self._version:
-            return memo[3], memo[4]
-        return super()._hits(seq)
-
-
 def _grow(seq: Seq, tokens: list[int]) -> None:
     for t in tokens:
         if isinstance(seq, Sequence):
@@ -392,7 +383,10 @@ def test_a_sequence_that_grows_between_lookups_is_looked_up_again() -> None:
     check_lookups_across_growth(BlockManager)
 
 
-def test_the_memo_keyed_without_the_length_is_caught() -> None:
-    # lookup 1 gets the stale hits (0, not 1); lookup 3 the stale cost (0, not None)
+def test_the_memo_keyed_without_the_length_is_caught(tmp_path: Path) -> None:
+    # The patch mutant (tests/allocator_mutants/MemoIgnoresLength.diff): can_allocate's
+    # remembered lookup keyed on the sequence and the state version only, not on its
+    # length. Lookup 1 gets the stale hits (0, not 1); lookup 3 the stale cost (0, not None).
+    mutant = allocator_mutants.allocator("MemoIgnoresLength", tmp_path)
     with pytest.raises(AssertionError, match="lookup 1: engine 0, spec 1"):
-        check_lookups_across_growth(MemoIgnoresLength)
+        check_lookups_across_growth(mutant)

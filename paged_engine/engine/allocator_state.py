@@ -1,4 +1,7 @@
-"""The observable state of a block allocator (R11), shared by the spec and the engine."""
+"""The observable state of a block allocator (R11), shared by the spec and the engine.
+
+Rule numbers refer to docs/design.md, "Allocator rules".
+"""
 
 from __future__ import annotations
 

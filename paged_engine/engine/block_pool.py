@@ -1,15 +1,15 @@
 """The block pool: KV block ids ``0..N-1``, their ref counts, the FIFO free queue, and
 the prefix cache's registrations (each block's hash and tokens, and the hash map).
 
-The per-block operations the allocator builds on (R2's fresh block, R6's hit, R13's
-reset) and its observation (R11's snapshot, R12's invariants). ``BlockManager``
+The per-block operations the allocator builds on (R2's fresh blocks and their eviction,
+R13's reset) and its observation (R11's snapshot, R12's invariants). ``BlockManager``
 (paged_engine.engine.block_manager) inherits it and adds the per-sequence API.
 
 The free queue is an ``OrderedDict`` used as an ordered set: popping the head, appending
 at the tail and reviving a cached block from *anywhere* in the queue are all O(1)
 (nano-vllm's ``deque.remove`` scans the pool for every revived block).
 
-Rule numbers (R1-R13) refer to ../shared/DESIGN.md.
+Rule numbers refer to docs/design.md, "Allocator rules".
 """
 
 from __future__ import annotations
@@ -62,19 +62,19 @@ class BlockPool(BlockHasher):
         """Every mutation calls this: it invalidates the remembered lookup."""
         self._version += 1
 
-    def _fresh_block(self) -> int:
-        """R2: take the head of the free queue; drop its registration if still its own.
-
-        ``allocate`` inlines this unless a subclass overrides it.
-        """
-        # Unregistered before it leaves the queue: a fault in between leaves a free block
-        # without a registration, never a block that is neither free nor held (R12).
-        block = next(iter(self.free_blocks))
-        if self.block_hashes[block] is not None:
-            self._unregister(block)
-        del self.free_blocks[block]
-        self.ref_counts[block] = 1
-        return block
+    def _take_fresh_blocks(self, table: list[int], n: int) -> None:
+        """R2: move the free queue's first ``n`` blocks into ``table``, each unregistered
+        (its stale registration dropped) while still free and held as soon as taken, so a
+        fault anywhere leaves every block free or in the table (R12). The caller has
+        checked that ``n`` blocks are free."""
+        free, ref_counts, block_hashes = self.free_blocks, self.ref_counts, self.block_hashes
+        for _ in range(n):
+            block = next(iter(free))
+            if block_hashes[block] is not None:
+                self._unregister(block)
+            del free[block]
+            ref_counts[block] = 1
+            table.append(block)
 
     def _unregister(self, block: int) -> None:
         """R2's eviction: forget the block's hash and tokens, and its map entry if the
@@ -84,16 +84,6 @@ class BlockPool(BlockHasher):
             del self.hash_to_block[old]
         self.block_hashes[block] = None
         self.block_tokens[block] = b""
-
-    def _take_hit(self, block: int) -> None:
-        """R6 for one hit: share it if in use, else revive it from anywhere in the queue.
-
-        ``allocate`` inlines this unless a subclass overrides it.
-        """
-        rc = self.ref_counts[block]
-        if not rc:
-            del self.free_blocks[block]  # O(1), wherever it stands
-        self.ref_counts[block] = rc + 1
 
     def reset_prefix_cache(self) -> bool:
         """R13: with every block free, forget every registration (the free queue keeps its

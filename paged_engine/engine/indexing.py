@@ -2,7 +2,7 @@
 
 Twins of ``spec/indexing.py`` (which states what each one means, with contracts that
 CrossHair checks); ``crosshair diffbehavior`` checks each pair agrees. These are the
-forms used on hot paths.
+forms used on hot paths. Rule numbers refer to docs/design.md, "Allocator rules".
 """
 
 from __future__ import annotations

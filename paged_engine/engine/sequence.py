@@ -1,4 +1,7 @@
-"""One request's state: its tokens, counters and block table (seed §3)."""
+"""One request's state: its tokens, counters and block table.
+
+Rule numbers refer to docs/design.md, "Allocator rules".
+"""
 
 from __future__ import annotations
 
@@ -178,10 +181,11 @@ class Sequence:
         self.num_tokens += 1
 
     def __getstate__(self) -> tuple[Any, ...]:
-        """The compact state a tensor-parallel worker receives each step (seed §3.1):
-        the counters and the block table, plus every token id while prefilling (the
-        worker embeds the scheduled ones) but only ``last_token`` while decoding, so a
-        decode step's hand-off does not grow with the sequence (tests/test_tp_handoff.py).
+        """The compact state a tensor-parallel worker receives each step (docs/design.md,
+        "The step hand-off"): the counters and the block table, plus every token id while
+        prefilling (the worker embeds the scheduled ones) but only ``last_token`` while
+        decoding, so a decode step's hand-off does not grow with the sequence
+        (tests/test_tp_handoff.py).
 
         Dropped on purpose: ``sampling_params``, because sampling happens on rank 0 only
         (the worker-side sequence gets default params; the one thing a worker's forward

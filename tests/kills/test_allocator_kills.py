@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from xxhash import xxh64_intdigest
 
 import spec.indexing as spec_indexing
 from paged_engine.engine import indexing as engine_indexing
@@ -147,27 +148,23 @@ def test_a_pickled_sequence_carries_what_the_worker_reads(decoding: bool) -> Non
 
 
 # --------------------------------------------------------------------------------------------
-# BlockPool._take_hit (engine/block_pool.py): allocate inlines it unless a subclass overrides
-# it, so the selection never ran it. A subclass that only counts its calls must allocate
-# exactly as the inlined path does: a shared hit, a revived hit from the middle of the queue.
+# R6 in allocate: a hit in use is shared (its count grows), a hit in the free queue is revived
+# from wherever it stands (not from the head). States worked out by hand from the traffic.
 # --------------------------------------------------------------------------------------------
 
 
-class CountingHits(BlockManager):
-    """The hook path: R6 through ``_take_hit``, unchanged."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.hits = 0
-
-    def _take_hit(self, block: int) -> None:
-        self.hits += 1
-        super()._take_hit(block)
+def _xxh64_chain(*blocks: tuple[int, ...]) -> list[int]:
+    """R4 by hand: xxh64 over the previous hash (8 bytes LE) and the int64 LE tokens."""
+    out: list[int] = []
+    for tokens in blocks:
+        head = out[-1].to_bytes(8, "little") if out else b""
+        body = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
+        out.append(xxh64_intdigest(head + body))
+    return out
 
 
-def _hit_traffic(bm: BlockManager) -> list[object]:
-    """Two full blocks cached and shared, then freed and revived; a snapshot after each."""
-    states: list[object] = []
+def test_hits_are_shared_in_use_and_revived_from_the_middle_of_the_queue() -> None:
+    bm = BlockManager(8, 2)
 
     def admit(tokens: list[int]) -> Sequence:
         seq = Sequence(tokens, block_size=2)
@@ -175,24 +172,25 @@ def _hit_traffic(bm: BlockManager) -> list[object]:
         seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
         bm.hash_blocks(seq)
         seq.num_cached_tokens = len(seq)
-        states.append(bm.snapshot())
         return seq
 
-    a = admit([1, 2, 3, 4, 5])
-    b = admit([1, 2, 3, 4, 6])  # shares a's two full blocks (in use)
-    other = admit([7, 7, 7])
+    h0, h1 = _xxh64_chain((1, 2), (3, 4))
+    (g0,) = _xxh64_chain((7, 7))
+    a = admit([1, 2, 3, 4, 5])  # fresh 0, 1, 2; blocks 0 and 1 registered
+    b = admit([1, 2, 3, 4, 6])  # shares 0 and 1 (in use), fresh 3
+    assert (a.block_table, b.block_table) == ([0, 1, 2], [0, 1, 3])
+    assert b.num_cached_tokens == 5 and bm.ref_counts == [2, 2, 1, 1, 0, 0, 0, 0]
+    other = admit([7, 7, 7])  # fresh 4, 5; block 4 registered
     for seq in (a, b, other):
-        bm.deallocate(seq)
-        states.append(bm.snapshot())
-    admit([1, 2, 3, 4, 9])  # revives both from the free queue, not from its head
-    bm.check_invariants()
-    return states
-
-
-def test_the_take_hit_hook_allocates_as_the_inlined_path() -> None:
-    hooked = CountingHits(8, 2)
-    assert _hit_traffic(hooked) == _hit_traffic(BlockManager(8, 2))
-    assert hooked.hits == 4  # b's two shared hits, the last request's two revivals
+        bm.deallocate(seq)  # each table last block first (R3)
+    assert tuple(bm.free_blocks) == (6, 7, 2, 3, 1, 0, 5, 4)
+    c = admit([1, 2, 3, 4, 9])  # revives 0 and 1 from the queue's middle, fresh 6 (its head)
+    assert c.block_table == [0, 1, 6]
+    state = bm.snapshot()
+    assert state.free_queue == (7, 2, 3, 5, 4)
+    assert state.ref_counts == (1, 1, 0, 0, 0, 0, 1, 0)
+    assert dict(state.hash_to_block) == {h0: 0, h1: 1, g0: 4}
+    bm.check_invariants([c])
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 (the earlier ones live in test_block_pool_kills.py and test_allocator_kills.py).
 
 Each section names what it kills. Expected hashes are R4 written out by hand with xxhash
-(DESIGN.md), never taken from the allocator; refusals are checked for their exact message
-and for leaving the allocator and the sequence as they were.
+(docs/design.md, "Allocator rules"), never taken from the allocator; refusals are checked
+for their exact message and for leaving the allocator and the sequence as they were.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ block_manager.py and hashing.py (the run of this file's first version: see the r
 
 Every allocator the engine builds is a ``BlockManager``, which passes ``hash_algorithm``
 itself, so nothing in the selection built a bare ``BlockPool`` or ``BlockHasher`` with its
-own default, gave one a ``bool`` size, read a recycled block's ``block_tokens``, ran an
-overridden hook, or pinned a refusal's whole message. Expected values by hand.
+own default, gave one a ``bool`` size, read a recycled block's ``block_tokens``, or
+pinned a refusal's whole message. Expected values by hand.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_a_bare_pool_hashes_with_xxh64_by_default() -> None:
     seq = Sequence([1, 2, 3], block_size=2)
     # R4, block 0: xxh64 over the tokens as int64 little-endian, no prefix.
     expected = xxh64_intdigest((1).to_bytes(8, "little") + (2).to_bytes(8, "little"))
-    assert pool._block_hashes(seq, 1) == [expected]
+    assert pool.hash_chain(seq, 1) == [expected]
 
 
 # ---- BlockPool.__init__: num_blocks validation (mutant 4: `or` -> `and` lets a bool in) ---
@@ -82,7 +82,7 @@ def test_a_bare_hasher_hashes_with_xxh64_by_default() -> None:
     hasher = BlockHasher(2)  # BlockHasher's own default (mutants 1, 2 of its __init__)
     assert hasher.hash_algorithm == "xxh64"
     expected = xxh64_intdigest((5).to_bytes(8, "little") + (6).to_bytes(8, "little"))
-    assert hasher._block_hashes(Sequence([5, 6], block_size=2), 1) == [expected]
+    assert hasher.hash_chain(Sequence([5, 6], block_size=2), 1) == [expected]
 
 
 # ---- check_invariants: the exact messages, and the pool's upper end ----------------------
@@ -120,57 +120,38 @@ def test_a_table_holding_an_id_outside_the_pool_fails_with_its_message(stray: in
     assert str(caught.value) == f"{held} holds block {stray}, outside the pool"
 
 
-# ---- BlockManager.__init__: a subclass's hooks are called, not inlined past ---------------
-# (block_manager.py mutants 18 and 21: `is` -> `is not` inlines the base code exactly when a
-# subclass overrides the hook). The recorded calls are worked out by hand from the traffic.
+# ---- fresh blocks from the queue head, and a decode step's one filled block --------------
+# (once mutants 18 and 21 of BlockManager.__init__, which chose between hooks and their
+# inlined copies: there is one implementation now). Expected values by hand.
 
 
-class RecordingHooks(BlockManager):
-    """Records every ``_fresh_block`` result and every ``_block_hashes`` extension."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fresh: list[int] = []
-        self.extended: list[tuple[int, int]] = []
-
-    def _fresh_block(self) -> int:
-        block = super()._fresh_block()
-        self.fresh.append(block)
-        return block
-
-    def _block_hashes(self, seq: Sequence, n: int) -> list[int]:
-        if len(seq.block_hashes) < n:
-            self.extended.append((len(seq.block_hashes), n))
-        return super()._block_hashes(seq, n)
-
-
-def _hook_traffic(bm: BlockManager) -> tuple[object, list[int], list[int]]:
-    """Prefill 3 tokens, a decode step that fills block 1, one that starts block 2."""
+def test_prefill_a_decode_step_that_fills_a_block_and_one_that_starts_one() -> None:
+    bm = BlockManager(4, 2)
     seq = Sequence([1, 2, 3], block_size=2)
     hits = bm.can_allocate(seq)
     assert hits == 0
-    bm.allocate(seq, hits)
+    bm.allocate(seq, hits)  # fresh blocks 0 and 1, from the queue head
     seq.num_scheduled_tokens = 3
     bm.hash_blocks(seq)  # prefill: block 0 becomes full
     seq.num_cached_tokens, seq.num_scheduled_tokens = 3, 0
-    seq.append_token(4)  # a decode step fills block 1: the path hash_blocks inlines
+    seq.append_token(4)  # a decode step fills block 1
     bm.may_append(seq)
     seq.num_scheduled_tokens = 1
     bm.hash_blocks(seq)
     seq.num_cached_tokens, seq.num_scheduled_tokens = 4, 0
-    seq.append_token(5)  # starts block 2: may_append takes a fresh block
+    seq.append_token(5)  # starts block 2: may_append takes the queue head
     bm.may_append(seq)
     bm.check_invariants([seq])
-    return bm.snapshot(), list(seq.block_table), list(seq.block_hashes)
-
-
-def test_overridden_hooks_are_called_and_match_the_inlined_paths() -> None:
-    hooked = RecordingHooks(4, 2)
-    state = _hook_traffic(hooked)
-    assert hooked.fresh == [0, 1, 2]  # allocate's two, may_append's one
-    assert hooked.extended[-1] == (1, 2)  # the decode step's one block went through the hook
-    assert state[1] == [0, 1, 2] and len(state[2]) == 2
-    assert state == _hook_traffic(BlockManager(4, 2))  # the inlined copies: the same state
+    h0 = xxh64_intdigest((1).to_bytes(8, "little") + (2).to_bytes(8, "little"))
+    h1 = xxh64_intdigest(
+        h0.to_bytes(8, "little") + (3).to_bytes(8, "little") + (4).to_bytes(8, "little")
+    )
+    state = bm.snapshot()
+    assert seq.block_table == [0, 1, 2] and state.free_queue == (3,)
+    assert seq.block_hashes == [h0, h1]
+    assert state.block_hashes == (h0, h1, None, None)
+    assert state.block_tokens == ((1, 2), (3, 4), (), ())
+    assert dict(state.hash_to_block) == {h0: 0, h1: 1}
 
 
 # ---- BlockManager.may_append: the refusal's exact message (mutant 22 pads it) -------------

@@ -2,7 +2,7 @@
 earlier ones live in test_allocator_kills.py).
 
 Each section names what it kills. Expected hashes and packed bytes are R4 written out by
-hand with xxhash and struct (DESIGN.md), never taken from the hasher.
+hand with xxhash and struct (docs/design.md), never taken from the hasher.
 """
 
 from __future__ import annotations
