@@ -1,4 +1,5 @@
-"""The platform layer (``paged_engine/platform.py``): its answers for this machine against
+"""The platform layer (``paged_engine/platform.py``, with ``platform_cpu.py`` and
+``platform_cgroup.py``): its answers for this machine against
 torch's own (``torch.backends``, ``torch.cpu.get_capabilities``, which reads CPUID through
 the cpuinfo library, not /proc/cpuinfo) and the compiled kernels' (GCC's CPUID checks), and
 its parsing of /proc and /sys files on fakes of each (the paths monkeypatched).
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_engine import platform
+from paged_engine import platform, platform_cgroup
 from paged_engine.kernels import paged_decode_cpu
 
 CAPS = torch.cpu.get_capabilities()
@@ -186,8 +187,8 @@ def test_a_missing_cpuinfo_is_a_cpu_without_features(tmp_path: Path) -> None:
 def fake_sys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A tmp tree standing in for /sys/fs/cgroup, /proc/self/cgroup, /proc/meminfo and
     /sys/devices/system/cpu (every probe reads these module paths when called)."""
-    monkeypatch.setattr(platform, "CGROUP_ROOT", tmp_path / "cgroup")
-    monkeypatch.setattr(platform, "PROC_SELF_CGROUP", tmp_path / "self-cgroup")
+    monkeypatch.setattr(platform_cgroup, "CGROUP_ROOT", tmp_path / "cgroup")
+    monkeypatch.setattr(platform_cgroup, "PROC_SELF_CGROUP", tmp_path / "self-cgroup")
     monkeypatch.setattr(platform, "MEMINFO", tmp_path / "meminfo")
     monkeypatch.setattr(platform, "SYS_CPU", tmp_path / "cpu")
     (tmp_path / "cgroup").mkdir()
@@ -221,7 +222,8 @@ def test_v1_quotas_under_the_controllers_directory(fake_sys: Path) -> None:
 def test_a_path_outside_the_namespace_reads_the_roots_only(fake_sys: Path) -> None:
     write(fake_sys / "self-cgroup", "0::/../../elsewhere\n")
     write(fake_sys / "cgroup" / "cpu.max", "100000 100000\n")
-    assert platform._cgroup_dirs("cpu") == [fake_sys / "cgroup", fake_sys / "cgroup" / "cpu"]
+    want = [fake_sys / "cgroup", fake_sys / "cgroup" / "cpu"]
+    assert platform_cgroup.cgroup_dirs("cpu") == want
     assert platform._cgroup_cpu_limit() == 1
 
 
