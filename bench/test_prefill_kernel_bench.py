@@ -19,13 +19,9 @@ cache reset before each round. Reported (``extra_info``, printed): seconds per r
 and median, ``kernel / sdpa`` of each (below 1: the kernel is faster), and how many
 requests' greedy tokens agree.
 
-Result (2026-12-01 23:47, 2 rounds per path, load below 1.3), kernel / sdpa time, fastest
-rounds (medians): prefill only, 29M model 1.04x (1.07x) in float32 and 0.95x (0.99x) in
-bfloat16, tiny model 1.16x (1.21x) and 1.06x (1.11x); end to end 0.99x (0.97x) and 0.97x
-(0.95x) on the 29M model, 0.89x (0.95x) and 1.40x (1.29x) on the tiny one (noise: the
-tiny model's rounds are half a second). The kernel, one matrix-vector pass per query
-row, does no better than SDPA's tiled GEMMs; prefill attention is about 6% of the 29M
-model's e2e time. Not kept: no gain above the noise, and it would change bfloat16 prefill
+Why it was not kept (the figures are the README's): the kernel, one matrix-vector pass per
+query row, did no better than SDPA's tiled GEMMs, within the noise, prefill attention being
+a small part of the 29M model's end-to-end time; and it would change bfloat16 prefill
 numerics (P is not rounded to bfloat16 in the kernel; SDPA's bfloat16 path rounds).
 """
 
@@ -84,7 +80,7 @@ class KernelPrefill(CpuAttentionBackend):
             tables = meta.block_tables.index_select(0, torch.from_numpy(owner)).contiguous()
             self._rows = (meta, tables, torch.from_numpy(lens.astype(np.int32)))
         _, tables, lens = self._rows
-        return self._decode(query, k_cache, v_cache, tables, lens, scale)
+        return self._decode_checked_per_step(query, k_cache, v_cache, tables, lens, scale)
 
 
 @pytest.fixture(scope="module")

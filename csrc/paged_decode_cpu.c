@@ -4,10 +4,9 @@
  * once, in paged_decode_head.h, and instantiated here for float32 and in paged_decode_bf16.c
  * for bfloat16 (float32 arithmetic throughout; AVX512-BF16 dot products where the CPU has
  * them), each at several instruction-set levels (isa.h); the launcher names the level and
- * the variant on every call. This file parses, validates and dispatches. The
- * readable reference is
- * paged_engine.kernels.paged_decode_attention.paged_decode_attention_ref; the launcher that
- * checks shapes, strides and dtypes is paged_engine.kernels.paged_decode_cpu.
+ * the variant on every call. This file parses, validates and dispatches. The readable
+ * reference is paged_engine.kernels.paged_attention_ref.paged_decode_attention_ref; the
+ * launcher that checks shapes, strides and dtypes is paged_engine.kernels.paged_decode_cpu.
  *
  * Why C: in torch, decode attention over a paged cache is a gather of every context into a
  * padded batch (one copy of all K/V), then SDPA over it (a second pass). Here each K/V row
@@ -66,10 +65,10 @@
 
 /* The float32 copies, one per instruction-set level (isa.h), the launcher's choice. With
  * AVX-512 the accumulator rows of a D = 64, G = 2 item fit in registers (8 of 32, where
- * AVX2 would need all 16): the x86-64-v4 copy with G specialised took 0.72-0.74x the time
- * of the v3 copy with G at run time (one-off microbenchmark). The copies vectorise the
- * dots in different lane orders, so their outputs differ in the last bits from one level
- * to the next; a process runs one level unless a caller names another. */
+ * AVX2 would need all 16), which is what the x86-64-v4 copy is for
+ * (bench/test_isa_levels_bench.py compares the levels). The copies vectorise the dots in
+ * different lane orders, so their outputs differ in the last bits from one level to the
+ * next; a process runs one level unless a caller names another. */
 static inline __attribute__((always_inline)) float dot_f32(const float *q, const float *k,
                                                            int D) {
     float dot = 0.f;

@@ -98,9 +98,8 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
  * from one thread or from many, so every item runs the same compiled copy at any thread
  * count (no loop of items here for OpenMP to outline into code of another target: the same
  * bits either way). A call per item costs nothing next to an item (a context of G heads).
- * With D = 64, G = 2 (the 29M model), the G-specialised copy took 0.84x the time of the
- * copy with G read at run time, same bits (one-off microbenchmark; bench/ has the
- * end-to-end figure). */
+ * A copy with G a constant keeps the group's accumulator rows in registers, where one with
+ * G read at run time cannot; both give the same bits. */
 #define DH_ITEM(DIM, GR)                                                           \
     DH_ATTR static void DH_NAME(item_d##DIM##_g##GR)(const Args *a, int b, int kh) { \
         DH_NAME(decode_head)(a, b, kh, DIM, GR);                                   \

@@ -212,11 +212,11 @@ def _mma_family(ptx: str) -> str:
 
 def expected_mma(case: Case, kernel: str) -> str | None:
     """The MMA family a kernel must use (None: no dot products, nothing to check)."""
-    if kernel not in ("_decode_kernel", "_prefill_kernel"):
+    if kernel not in ("decode_kernel", "prefill_kernel"):
         return None
     if case.dtype == "fp32":
         return "fma"
-    if kernel == "_prefill_kernel" and case.arch >= 90:
+    if kernel == "prefill_kernel" and case.arch >= 90:
         return "wgmma"
     return "mma.sync"
 

@@ -1,10 +1,13 @@
 """Deliberately broken fused small ops (``csrc/fused_ops.c``), each named after its bug.
 
-The product carries no switch for any of them: each is the real source with one or two
-textual patches, compiled here as a module of its own with setup.py's flags (at -O1 and
-without the target clones, so that each builds in about a second) and swapped in for the
-real one in the launcher (``fused_ops_cpu._MODULE``) for the duration of a block.
-tests/test_fused_ops.py requires each to fail the same comparison the real kernel passes.
+The product carries no switch for any of them: each is a patch file,
+``tests/fused_mutants/<name>.patch``, applied to a temporary copy of csrc/ when the mutant is
+first used (tests/kernel_mutants.py's ``patched_copy``: a stale patch fails that mutant's
+test alone, naming its hunk). The copy is compiled as a module of its own with setup.py's
+flags, at -O1 and for the baseline level alone (``BASELINE_ONLY``), so that each builds
+quickly, and bound in the launcher (``fused_ops_cpu._COMPILED``) for the duration of
+a block. tests/test_fused_ops.py requires each to fail the same comparison the real kernel
+passes.
 """
 
 from __future__ import annotations
@@ -12,41 +15,42 @@ from __future__ import annotations
 import functools
 import importlib.util
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from unittest import mock
+
+import pytest
 
 from paged_engine.kernels import fused_ops_cpu
-from tests.kernel_mutants import C_SOURCES, Patch, apply_patches, setup_extension
+from paged_engine.kernels.cpu_library import CompiledModule
+from tests.kernel_mutants import ROOT, patched_copy, setup_extension
 
-NO_CLONES: Patch = ("#ifdef HAVE_X86_LEVELS\n#define LEVELS", "#if 0\n#define LEVELS")
-"""Mutants build the baseline copy only: one level is enough to catch them, at a third of
-the compile time."""
+PATCH_DIR = ROOT / "tests" / "fused_mutants"
+"""One ``<name>.patch`` per mutant below (tests/test_cpu_kernel.py checks both ways)."""
+BASELINE_ONLY = ("-O1", "-D__clang__")
+"""After setup.py's flags: -O1 does the same arithmetic (the exact sections are pinned by
+their pragma) in less compile time, and a build told it is clang takes the path
+every compiler but GCC 12+ on x86-64 takes (csrc/isa.h): the baseline copy alone, which is
+enough to catch a mutant."""
 
 
 @functools.cache
-def build_fused_mutant(name: str, patches: tuple[Patch, ...]) -> ModuleType:
+def build_fused_module(name: str, patch: Path) -> ModuleType:
+    """csrc/fused_ops.c with ``patch`` applied, built alone as the ``_fused_ops`` module."""
     from setuptools import Distribution, Extension
     from setuptools.command.build_ext import build_ext
 
-    work = Path(tempfile.mkdtemp(prefix=f"paged-engine-fused-{name}-"))
-    source = work / "fused_ops.c"
-    text = (C_SOURCES / "fused_ops.c").read_text()
-    source.write_text(apply_patches(text, (NO_CLONES, *patches), name))
+    work = patched_copy(name, patch, copy=("csrc",))
     real = setup_extension()
     ext = Extension(
         "_fused_ops",
-        sources=[str(source)],
-        # -O1 after setup.py's -O3: the same arithmetic (the exact sections are pinned by
-        # their pragma), a third of the compile time.
-        extra_compile_args=[*real.extra_compile_args, "-O1"],
+        sources=[str(work / "csrc" / "fused_ops.c")],
+        extra_compile_args=[*real.extra_compile_args, *BASELINE_ONLY],
         extra_link_args=list(real.extra_link_args),
         libraries=list(real.libraries),
-        include_dirs=[str(C_SOURCES)],  # isa.h
+        include_dirs=[str(work / "csrc")],  # isa.h
     )
     cmd = build_ext(Distribution({"name": f"fused-mutant-{name}", "ext_modules": [ext]}))
     cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
@@ -65,100 +69,44 @@ def build_fused_mutant(name: str, patches: tuple[Patch, ...]) -> ModuleType:
 @dataclass(frozen=True)
 class FusedMutant:
     name: str
-    patches: tuple[Patch, ...]
     op: str
     """Which check must catch it: "norm", "qk" or "silu"."""
     bug: str
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        module = build_fused_mutant(self.name, self.patches)
-        with mock.patch.object(fused_ops_cpu, "_MODULE", module):
+        module = build_fused_module(self.name, PATCH_DIR / f"{self.name}.patch")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused_ops_cpu, "_COMPILED", CompiledModule.of(module))
             yield
 
 
 MUTANTS = [
     FusedMutant(
         "skips_residual",
-        (
-            (
-                "row[j] = rnd(load(r, j, bf16) + load(x, j, bf16), bf16);",
-                "row[j] = load(x, j, bf16);",
-            ),
-        ),
         "norm",
         "the residual is not added (the norm and the returned sum are of x alone)",
     ),
     FusedMutant(
-        "eps_outside_sqrt",
-        (("return 1.f / sqrtf(mean + eps);", "return 1.f / (sqrtf(mean) + eps);"),),
-        "norm",
-        "1 / (sqrt(mean) + eps) instead of 1 / sqrt(mean + eps)",
+        "eps_outside_sqrt", "norm", "1 / (sqrt(mean) + eps) instead of 1 / sqrt(mean + eps)"
     ),
     FusedMutant(
         "sequential_sum",
-        (
-            (
-                "INLINE float inv_rms(",
-                "INLINE float seq_squares(const float *x, int64_t n) {\n"
-                "    float s = 0.f;\n"
-                "    for (int64_t i = 0; i < n; i++) s += x[i] * x[i];\n"
-                "    return s;\n"
-                "}\n\n"
-                "INLINE float inv_rms(",
-            ),
-            (
-                "(L == 8 ? sum_squares(x, n, 8) : sum_squares(x, n, 16))",
-                "(L ? seq_squares(x, n) : 0.f)",
-            ),
-        ),
         "norm",
         "the squares summed left to right, not in torch's lane order (float32 rounding)",
     ),
     FusedMutant(
         "weight_before_cast",
-        (
-            (
-                "store(o, j, load(a->w, j, bf16) * rnd(row[j] * scale, bf16), bf16);",
-                "store(o, j, load(a->w, j, bf16) * (row[j] * scale), bf16);",
-            ),
-        ),
         "norm",
         "the weight multiplies the float32 row before its cast (one bfloat16 rounding, not "
         "transformers' two)",
     ),
-    FusedMutant(
-        "rope_sign",
-        (
-            (
-                "store(x, j, p + rnd(normed[j + half] * load(s, j, bf16), bf16), bf16);",
-                "store(x, j, p - rnd(normed[j + half] * load(s, j, bf16), bf16), bf16);",
-            ),
-        ),
-        "qk",
-        "the first half rotates the wrong way (sin's sign dropped)",
-    ),
-    FusedMutant(
-        "q_weight_for_k",
-        (("const void *w = h < a->q_heads ? a->wq : a->wk;", "const void *w = a->wq;"),),
-        "qk",
-        "the k heads are normed with q_norm's weight",
-    ),
+    FusedMutant("rope_sign", "qk", "the first half rotates the wrong way (sin's sign dropped)"),
+    FusedMutant("q_weight_for_k", "qk", "the k heads are normed with q_norm's weight"),
     FusedMutant(
         "silu_single_rounding",
-        (
-            (
-                "store(o, j, rnd(silu, bf16) * load(u, j, bf16), bf16);",
-                "store(o, j, silu * load(u, j, bf16), bf16);",
-            ),
-        ),
         "silu",
         "silu(g) * u rounded once in bfloat16, not after silu and again after the multiply",
     ),
-    FusedMutant(
-        "sigmoid_sign",
-        (("v / (1.f + expf(fminf(-v, 88.f)))", "v / (1.f + expf(fminf(v, 88.f)))"),),
-        "silu",
-        "x * sigmoid(-x) instead of x * sigmoid(x)",
-    ),
+    FusedMutant("sigmoid_sign", "silu", "x * sigmoid(-x) instead of x * sigmoid(x)"),
 ]

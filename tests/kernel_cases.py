@@ -41,15 +41,12 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-from paged_engine.kernels.paged_decode_attention import (
-    is_interpreted,
-    paged_decode_attention,
+from paged_engine.kernels.paged_attention_ref import (
     paged_decode_attention_ref,
-)
-from paged_engine.kernels.paged_prefill_attention import (
-    paged_prefill_attention,
     paged_prefill_attention_ref,
 )
+from paged_engine.kernels.paged_decode_attention import is_interpreted, paged_decode_attention
+from paged_engine.kernels.paged_prefill_attention import paged_prefill_attention
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

@@ -1,31 +1,36 @@
 """Deliberately broken attention kernels, each named after the bug it plants.
 
-The product carries no switch for any of them. Each mutant is the real kernel's source with
-one textual patch, built here:
+The product carries no switch for any of them. Each kernel mutant is a patch file,
+``tests/kernel_mutants/<name>.patch`` (a unified diff against the repository's source), that
+is applied to a temporary copy of the source only when the mutant is first used: in its own
+test, never at import. So an edit of the product can make a mutant stale, but then only that
+mutant's tests fail, with ``StaleMutant`` naming it, the file and the hunk that no longer
+applies; the test files still collect. To write or refresh one, edit the source in the
+working tree, ``git diff -U2 -- <file> > tests/kernel_mutants/<name>.patch``, and undo the
+edit (a hunk applies wherever its lines are found, nearest its stated line: edits elsewhere
+in the file leave it applying).
 
-* Triton kernels: the kernel function's source (``inspect.getsource``) with the patch
-  applied, executed in a copy of its module's namespace under ``@triton.jit`` (compiled,
-  or interpreted under ``TRITON_INTERPRET=1``, like the real one). ``KernelMutant.active``
-  puts it in place of the real kernel in its module for the duration of a block, so the
-  real launchers (and the backends built on them) run it with their real host code;
-* the compiled CPU decode kernel: a copy of ``csrc/`` with one file patched (by default the
-  kernel template ``paged_decode_head.h``, so every variant carries the bug), compiled in
-  a temporary directory with exactly the ``Extension`` that ``setup.py`` declares (its
-  ``setup()`` call is intercepted to read it), loaded as a separate module and swapped for
-  the real one the same way;
-* cascade decode attention: a rewrite of the step's ``CascadePlan``.
+* Triton kernels: the patched copy of the kernel's module is imported as a module of its
+  own (compiled, or interpreted under ``TRITON_INTERPRET=1``, like the real one) and its
+  kernel put in place of the real one in the launcher's module for the duration of a block
+  (``KernelMutant.active``), so the real launchers and backends run it with their host code;
+* the compiled CPU decode kernel: a copy of ``csrc/`` with the patch applied, compiled in a
+  temporary directory with exactly the ``Extension`` that ``setup.py`` declares (its
+  ``setup()`` call is intercepted to read it), loaded as a module of its own and bound in the
+  launcher (``paged_decode_cpu._COMPILED``) for the block;
+* cascade decode attention: a rewrite of the step's ``CascadePlan`` (no patch file).
 
-tests/test_kernels_prefill.py and tests/test_cpu_kernel.py require every mutant to disagree with its
-``*_ref`` on some layout (proof that the layouts the tests draw can catch that class of
-bug); tests/test_attention_machine.py shows the oracle machine catching each of them.
+tests/test_kernels_prefill.py and tests/test_cpu_kernel.py require every mutant to disagree
+with its ``*_ref`` on some layout (proof that the layouts the tests draw can catch that class
+of bug); tests/test_attention_machine.py shows the oracle machine catching each of them;
+tests/fused_mutants.py does the same for the fused small ops.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
-import linecache
+import re
 import runpy
 import shutil
 import tempfile
@@ -37,52 +42,168 @@ from types import ModuleType
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 
 from paged_engine.kernels import paged_decode_attention as decode_module
 from paged_engine.kernels import paged_decode_cpu
 from paged_engine.kernels import paged_prefill_attention as prefill_module
-from paged_engine.kernels.paged_decode_attention import paged_decode_attention
-from paged_engine.kernels.paged_decode_cpu import paged_decode_attention_cpu
-from paged_engine.kernels.paged_prefill_attention import paged_prefill_attention
+from paged_engine.kernels.cpu_library import CompiledModule
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from paged_engine.layers.attention.torch_backend import TorchAttentionBackend
 from paged_engine.layers.cascade import CascadePlan
 
+__all__ = [
+    "BF16_MUTANTS",
+    "CASCADE_MUTANTS",
+    "COMPILE_MUTANTS",
+    "CPU_MUTANTS",
+    "MUTANTS",
+    "PATCH_DIR",
+    "PREFILL_MUTANTS",
+    "THREAD_MUTANTS",
+    "CascadeMutant",
+    "CascadeMutantBackend",
+    "CpuKernelMutant",
+    "CpuMutantBackend",
+    "KernelMutant",
+    "StaleMutant",
+    "apply_patch",
+    "build_c_module",
+    "decode_module_bound",
+    "patched_copy",
+    "read_patch",
+    "setup_extension",
+]
+
 ROOT = Path(__file__).resolve().parent.parent
-Patch = tuple[str, str]
-"""``(old, new)``: ``old`` must occur exactly once in the source."""
+PATCH_DIR = ROOT / "tests" / "kernel_mutants"
+"""One ``<name>.patch`` per mutant below (tests/test_cpu_kernel.py checks both ways)."""
+
+# --------------------------------------------------------------------------------------------
+# Patch files
+# --------------------------------------------------------------------------------------------
 
 
-def apply_patches(source: str, patches: tuple[Patch, ...], what: str) -> str:
-    for old, new in patches:
-        count = source.count(old)
-        if count != 1:
-            raise AssertionError(f"{what}: patch target found {count} times: {old!r}")
-        source = source.replace(old, new)
-    return source
+class StaleMutant(Exception):
+    """A mutant's patch no longer applies to the source (or is missing). Not an
+    AssertionError: a mutant that cannot be built must never count as caught."""
+
+
+@dataclass(frozen=True)
+class Hunk:
+    header: str
+    old_start: int
+    """The 1-based line its old lines started at when the patch was made."""
+    old: list[str]
+    new: list[str]
+
+
+_HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def read_patch(patch: Path) -> dict[str, list[Hunk]]:
+    """A unified diff's hunks per file (paths as in ``+++ b/<path>``). Lines before the
+    first file header are a comment."""
+    files: dict[str, list[Hunk]] = {}
+    lines = patch.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("+++ "):
+            path = line[4:].split("\t")[0].removeprefix("b/")
+            files[path] = []
+        elif (m := _HUNK.match(line)) is not None and files:
+            n_old, n_new = int(m[2] or 1), int(m[4] or 1)
+            old: list[str] = []
+            new: list[str] = []
+            while len(old) < n_old or len(new) < n_new:
+                i += 1
+                body = lines[i] if i < len(lines) else "?"
+                tag, text = (body[:1] or " "), body[1:]  # an empty line: blank context
+                if tag in " -":
+                    old.append(text)
+                if tag in " +":
+                    new.append(text)
+                if tag not in " -+\\":
+                    raise StaleMutant(f"{patch.name}: malformed hunk {line!r}")
+            files[path].append(Hunk(line, int(m[1]), old, new))
+        i += 1
+    return files
+
+
+def apply_patch(name: str, patch: Path, tree: Path) -> None:
+    """Apply ``patch`` to the files under ``tree``: each hunk where its old lines are
+    found (exactly), nearest the line it names, after the hunk before it. StaleMutant,
+    naming the mutant, the file and the hunk, where one is not found."""
+    if not patch.is_file():
+        raise StaleMutant(f"mutant {name}: no patch file {patch}")
+    for path, hunks in read_patch(patch).items():
+        target = tree / path
+        lines = target.read_text().split("\n")
+        shift, floor = 0, 0  # where the file's lines now stand against the patch's
+        for k, hunk in enumerate(hunks, 1):
+            n = len(hunk.old)
+            found = [j for j in range(floor, len(lines) - n + 1) if lines[j : j + n] == hunk.old]
+            if not found:
+                raise StaleMutant(
+                    f"mutant {name}: hunk {k} of {len(hunks)} ({hunk.header}) of "
+                    f"{patch.name} no longer applies to {path}: these lines are not in it\n"
+                    + "\n".join(hunk.old)
+                    + "\nrefresh the patch (tests/kernel_mutants.py says how)"
+                )
+            want = hunk.old_start - 1 + shift
+            at = min(found, key=lambda j: abs(j - want))
+            lines[at : at + n] = hunk.new
+            shift = at - (hunk.old_start - 1) + len(hunk.new) - n
+            floor = at + len(hunk.new)
+        target.write_text("\n".join(lines))
+
+
+def patched_copy(name: str, patch: Path | None, copy: tuple[str, ...] = ()) -> Path:
+    """A temporary directory holding ``copy`` (paths relative to the repository) and every
+    file ``patch`` names, copied from the repository, with ``patch`` applied."""
+    work = Path(tempfile.mkdtemp(prefix=f"paged-engine-mutant-{name}-"))
+    named = list(read_patch(patch)) if patch is not None and patch.is_file() else []
+    for rel in (*copy, *named):
+        src, dst = ROOT / rel, work / rel
+        if dst.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copyfile(src, dst)
+    if patch is not None:
+        apply_patch(name, patch, work)
+    return work
 
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 
-_MODULES: dict[str, ModuleType] = {"decode": decode_module, "prefill": prefill_module}
-_KERNELS = {"decode": "_decode_kernel", "prefill": "_prefill_kernel"}
-_LAUNCHERS = {"decode": paged_decode_attention, "prefill": paged_prefill_attention}
+_LAUNCHERS: dict[str, tuple[ModuleType, str]] = {
+    "decode": (decode_module, "decode_kernel"),
+    "prefill": (prefill_module, "prefill_kernel"),
+}
+"""Per kind: the launcher's module and the name its launches read the kernel by."""
 
 
 @functools.cache
-def _build_kernel(kind: str, name: str, patches: tuple[Patch, ...]) -> Any:
-    module = _MODULES[kind]
-    real = getattr(module, _KERNELS[kind])
-    source = apply_patches(inspect.getsource(real.fn), patches, name)
-    # Triton reads the kernel's source back through inspect (linecache): register it.
-    filename = f"<kernel mutant {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = dict(vars(module))
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace[_KERNELS[kind]]
+def _build_kernel(kind: str, name: str) -> Any:
+    """The ``kind`` kernel of the patched copy of its module, imported on its own."""
+    work = patched_copy(name, PATCH_DIR / f"{name}.patch")
+    (source,) = [p for p in work.rglob("*.py")]
+    spec = importlib.util.spec_from_file_location(f"_kernel_mutant_{name}", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # triton.jit reads the kernel's source from the copy
+    launcher, attr = _LAUNCHERS[kind]
+    kernel = getattr(module, attr, None)
+    if kernel is None or kernel is getattr(launcher, attr):
+        raise StaleMutant(f"mutant {name}: its patch does not define the {kind} kernel {attr}")
+    return kernel
 
 
 @dataclass(frozen=True)
@@ -91,88 +212,72 @@ class KernelMutant:
 
     name: str
     kind: str
-    patches: tuple[Patch, ...]
     bug: str
 
     def kernel(self) -> Any:
-        return _build_kernel(self.kind, self.name, self.patches)
+        return _build_kernel(self.kind, self.name)
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """The mutant replaces the real kernel in its module inside the block."""
-        module, attr = _MODULES[self.kind], _KERNELS[self.kind]
-        real, mutant = getattr(module, attr), self.kernel()
-        setattr(module, attr, mutant)
-        try:
+        """The mutant replaces the real kernel in its launcher's module inside the block."""
+        launcher, attr = _LAUNCHERS[self.kind]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(launcher, attr, self.kernel())
             yield
-        finally:
-            setattr(module, attr, real)
 
     def launch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The real launcher of ``kind``, same arguments, running the mutant kernel."""
+        real = {
+            "decode": decode_module.paged_decode_attention,
+            "prefill": prefill_module.paged_prefill_attention,
+        }[self.kind]
         with self.active():
-            return _LAUNCHERS[self.kind](*args, **kwargs)
+            return real(*args, **kwargs)
 
-
-_DECODE_FLOOR = (
-    "    start = split * partition_size\n",
-    "    context_len = (context_len // BLOCK_SIZE) * BLOCK_SIZE\n"
-    "    start = split * partition_size\n",
-)
-_PREFILL_FLOOR = (
-    "    prefix_len = context_len - q_len\n",
-    "    prefix_len = context_len - q_len\n"
-    "    context_len = (context_len // BLOCK_SIZE) * BLOCK_SIZE\n",
-)
 
 MUTANTS: tuple[KernelMutant, ...] = (
     KernelMutant(
-        name="decode_block_walk_off_by_one",
-        kind="decode",
-        patches=(_DECODE_FLOOR,),
-        bug="walks seq_len // block_size blocks instead of cdiv: drops a partial last block",
+        "decode_block_walk_off_by_one",
+        "decode",
+        "walks seq_len // block_size blocks instead of cdiv: drops a partial last block",
     ),
     KernelMutant(
-        name="prefill_missing_causal_mask",
-        kind="prefill",
-        patches=(
-            (
-                "kv_end = tl.minimum(prefix_len + tl.minimum(tile_start + BLOCK_M, q_len), "
-                "context_len)",
-                "kv_end = context_len",
-            ),
-            (
-                "visible = n_mask[None, :] & (offs_n[None, :] <= position[:, None])",
-                "visible = n_mask[None, :]",
-            ),
-        ),
-        bug="new tokens attend to the whole context, including later new tokens",
+        "prefill_missing_causal_mask",
+        "prefill",
+        "new tokens attend to the whole context, including later new tokens",
     ),
     KernelMutant(
-        name="decode_gqa_wrong_kv_head",
-        kind="decode",
-        patches=(("heads = kv_head * GROUP + offs_g", "heads = offs_g * NUM_KV_HEADS + kv_head"),),
-        bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
+        "decode_gqa_wrong_kv_head",
+        "decode",
+        "query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
 )
 
 PREFILL_MUTANTS: tuple[KernelMutant, ...] = (
     KernelMutant(
-        name="prefill_block_walk_off_by_one",
-        kind="prefill",
-        patches=(_PREFILL_FLOOR,),
-        bug="reads seq_len // block_size whole blocks: drops a partial last block",
+        "prefill_block_walk_off_by_one",
+        "prefill",
+        "reads seq_len // block_size whole blocks: drops a partial last block",
     ),
     KernelMutant(
-        name="prefill_gqa_wrong_kv_head",
-        kind="prefill",
-        patches=(("heads = kv_head * GROUP + g", "heads = g * NUM_KV_HEADS + kv_head"),),
-        bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
+        "prefill_gqa_wrong_kv_head",
+        "prefill",
+        "query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
 )
 """The same bug classes planted in the prefill kernel (the attention machine must catch
 them; the hand-picked layouts of tests/kernel_cases.py only the first tuple's)."""
 
+COMPILE_MUTANTS: tuple[KernelMutant, ...] = (
+    KernelMutant(
+        "decode_cache_offsets_int32",
+        "decode",
+        "the block id stays int32: the K/V cache offsets are 32-bit and wrap past 2**31",
+    ),
+    KernelMutant("decode_dot_tf32", "decode", "the float32 Q.K dot runs in TF32"),
+)
+"""Bugs that only scripts/compile_kernels.py's offline checks can see (tests/
+test_compile_kernels.py): the interpreter computes them right."""
 
 # --------------------------------------------------------------------------------------------
 # Cascade (shared-prefix) decode attention in the torch backend: bugs planted in the step's
@@ -241,11 +346,8 @@ class CascadeMutantBackend(TorchAttentionBackend):
 
 
 # --------------------------------------------------------------------------------------------
-# The compiled CPU decode kernel (csrc/paged_decode_cpu.c): the same bug classes, each in a
-# patched copy of the C file compiled for the tests alone.
+# The compiled CPU decode kernel (csrc/): the same bug classes, and the threads' driver
 # --------------------------------------------------------------------------------------------
-
-C_SOURCES = ROOT / "csrc"
 
 
 def setup_extension() -> Any:
@@ -259,133 +361,119 @@ def setup_extension() -> Any:
 
 
 @functools.cache
-def build_c_mutant(
-    name: str, file: str, patches: tuple[Patch, ...], extra_args: tuple[str, ...] = ()
+def build_c_module(
+    name: str, patch: Path | None = None, extra_args: tuple[str, ...] = ()
 ) -> ModuleType:
-    """Copy ``csrc/`` into a temporary directory, apply ``patches`` to ``file`` there,
-    compile it with setup.py's sources and flags (then ``extra_args``), and load it as a
-    module of its own."""
-    from setuptools import Distribution
+    """Copy ``csrc/`` into a temporary directory, apply ``patch`` there (none: the sources
+    as they are), compile the decode kernel's sources with setup.py's flags (then
+    ``extra_args``), and load the result as a module of its own."""
+    from setuptools import Distribution, Extension
     from setuptools.command.build_ext import build_ext
 
-    work = Path(tempfile.mkdtemp(prefix=f"paged-engine-{name}-"))
-    csrc = work / "csrc"
-    shutil.copytree(C_SOURCES, csrc)
-    target = csrc / file
-    target.write_text(apply_patches(target.read_text(), patches, name))
-    ext = replace_extension(setup_extension(), csrc)
-    # The library's other module (fused small ops, tests/fused_mutants.py builds its own
-    # mutants) is most of a build's time and is never loaded from a decode mutant.
-    ext.sources = [s for s in ext.sources if Path(s).name != "fused_ops.c"]
-    ext.extra_compile_args += list(extra_args)
+    work = patched_copy(name, patch, copy=("csrc",))
+    real = setup_extension()
+
+    def moved(path: str) -> str:
+        return str(work / path) if path.startswith("csrc") else path
+
+    ext = Extension(
+        real.name,
+        # The library's other module (the fused small ops: tests/fused_mutants.py builds
+        # its own mutants) is most of a build's time and is never loaded from this one.
+        sources=[moved(s) for s in real.sources if Path(s).name != "fused_ops.c"],
+        depends=[moved(d) for d in real.depends],
+        include_dirs=[moved(d) for d in real.include_dirs],
+        extra_compile_args=[*real.extra_compile_args, *extra_args],
+        extra_link_args=list(real.extra_link_args),
+        libraries=list(real.libraries),
+        define_macros=list(real.define_macros),
+        # optional no more: a mutant that fails to build must fail its test
+    )
     cmd = build_ext(Distribution({"name": f"mutant-{name}", "ext_modules": [ext]}))
     cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
     cmd.ensure_finalized()
     cmd.run()
-    path = cmd.get_ext_fullpath(ext.name)
     # The init symbol is PyInit__cpu_kernels: keep that last component in the module name.
-    spec = importlib.util.spec_from_file_location(f"_mutant_{name}._cpu_kernels", path)
+    spec = importlib.util.spec_from_file_location(
+        f"_mutant_{name}._cpu_kernels", cmd.get_ext_fullpath(ext.name)
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    shutil.rmtree(work / "tmp", ignore_errors=True)
     return module
 
 
-def replace_extension(ext: Any, csrc: Path) -> Any:
-    """A copy of setup.py's ``Extension`` compiling the sources in ``csrc`` instead (each
-    ``csrc/...`` path moved there), optional no more (a mutant that fails to build must
-    fail the test)."""
-    from setuptools import Extension
-
-    def moved(path: str) -> str:
-        return str(csrc / Path(path).relative_to("csrc"))
-
-    return Extension(
-        ext.name,
-        sources=[moved(s) for s in ext.sources],
-        depends=[moved(d) for d in ext.depends],
-        include_dirs=[moved(d) if d.startswith("csrc") else d for d in ext.include_dirs],
-        extra_compile_args=list(ext.extra_compile_args),
-        extra_link_args=list(ext.extra_link_args),
-        libraries=list(ext.libraries),
-        define_macros=list(ext.define_macros),
-    )
+@contextmanager
+def decode_module_bound(module: ModuleType) -> Iterator[None]:
+    """``module`` (a build of csrc/) bound in the decode launcher inside the block."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged_decode_cpu, "_COMPILED", CompiledModule.of(module))
+        yield
 
 
 @dataclass(frozen=True)
 class CpuKernelMutant:
-    """A patched copy of the CPU decode kernel (``file`` in csrc/), run by the real
-    launcher. Patches to the template, paged_decode_head.h, reach every variant."""
+    """A patched copy of the CPU decode kernel, run by the real launcher. Patches to the
+    template, paged_decode_head.h, reach every variant and level."""
 
     name: str
-    patches: tuple[Patch, ...]
     bug: str
     kind: str = "decode"
-    file: str = "paged_decode_head.h"
+
+    def module(self) -> ModuleType:
+        return build_c_module(self.name, PATCH_DIR / f"{self.name}.patch")
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        module = build_c_mutant(self.name, self.file, self.patches)
-        with mock.patch.object(paged_decode_cpu, "_MODULE", module):
+        with decode_module_bound(self.module()):
             yield
 
     def launch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         with self.active():
-            return paged_decode_attention_cpu(*args, **kwargs)
-
-
-def _in_bf16(expr: str) -> str:
-    """``expr`` rounded to the element type and back: bfloat16 rounding in the bfloat16
-    variants, nothing in the float32 one (the same macros the kernel converts with)."""
-    return f"DH_TO_F32(DH_FROM_F32({expr}))"
+            return paged_decode_cpu.paged_decode_attention_cpu(*args, **kwargs)
 
 
 CPU_MUTANTS: tuple[CpuKernelMutant, ...] = (
     CpuKernelMutant(
-        name="cpu_decode_block_walk_floor",
-        patches=(
-            (
-                "a->table_width;\n    const int len = a->lens[b];\n",
-                "a->table_width;\n    const int len = a->lens[b] / BS * BS;\n",
-            ),
-        ),
-        bug="reads seq_len // block_size whole blocks: drops a partial last block",
+        "cpu_decode_block_walk_floor",
+        "reads seq_len // block_size whole blocks: drops a partial last block",
     ),
     CpuKernelMutant(
-        name="cpu_decode_gqa_wrong_kv_head",
-        patches=(("head[i] = kh * G + i;", "head[i] = kh + i * a->kv_heads;"),),
-        bug="query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
+        "cpu_decode_gqa_wrong_kv_head",
+        "query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
 )
 
 BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (
     CpuKernelMutant(
-        name="cpu_decode_bf16_accumulator",
-        patches=(
-            (
-                "acc[i][x] += p * DH_TO_F32(vr[x]);",
-                "acc[i][x] = " + _in_bf16("acc[i][x] + p * DH_TO_F32(vr[x])") + ";",
-            ),
-        ),
-        bug="the P @ V accumulator is kept in bfloat16 (rounded after every token)",
+        "cpu_decode_bf16_accumulator",
+        "the P @ V accumulator is kept in bfloat16 (rounded after every token)",
     ),
     CpuKernelMutant(
-        name="cpu_decode_bf16_softmax",
-        patches=(
-            (
-                "s[i][t] = expf(s[i][t] - top);",
-                "s[i][t] = " + _in_bf16("expf(s[i][t] - top)") + ";",
-            ),
-            ("l[i] = l[i] * rescale + sum;", "l[i] = " + _in_bf16("l[i] * rescale + sum") + ";"),
-        ),
-        bug="the softmax's exponentials and running sum are bfloat16",
+        "cpu_decode_bf16_softmax", "the softmax's exponentials and running sum are bfloat16"
     ),
 )
-"""Precision bugs: identical to the real kernel in float32, wrong only in bfloat16."""
+"""Precision bugs: identical to the real kernel in float32, wrong only in bfloat16 (each
+rounds through the kernel's own element conversions, the identity in float32)."""
+
+THREAD_MUTANTS: tuple[CpuKernelMutant, ...] = (
+    CpuKernelMutant(
+        "threads_skip_last_item",
+        "the threads stop one item early: the last claimed item is never computed",
+    ),
+    CpuKernelMutant(
+        "threads_more_than_items", "a call with fewer items than threads still starts every thread"
+    ),
+    CpuKernelMutant("threads_ignored", "num_threads is ignored: every call runs on one thread"),
+)
+"""Bugs in the C driver's threads (csrc/paged_decode_cpu.c's ``run_items``), caught by
+tests/test_cpu_kernel_threads.py's checks (tests/test_cpu_kernel_threads_build.py)."""
 
 
 class CpuMutantBackend(CpuAttentionBackend):
-    """The CPU backend with ``mutant``'s decode kernel (its ``bf16_variant`` in bfloat16)."""
+    """The CPU backend, its decode steps on ``mutant``'s kernel (its ``bf16_variant`` in
+    bfloat16) through the backend's own per-step checks and launch."""
 
     def __init__(
         self,
@@ -396,4 +484,8 @@ class CpuMutantBackend(CpuAttentionBackend):
         bf16_variant: str = "auto",
     ) -> None:
         super().__init__(block_size, dtype, bf16_variant=bf16_variant)
-        self._decode = functools.partial(mutant.launch, bf16_variant=bf16_variant)
+        self.mutant = mutant
+
+    def attend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.mutant.active():
+            return super().attend(*args, **kwargs)

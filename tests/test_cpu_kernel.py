@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +25,8 @@ from hypothesis import strategies as st
 
 from paged_engine import platform
 from paged_engine.kernels import paged_decode_cpu
+from paged_engine.kernels.cpu_library import ISA_CODES
 from paged_engine.kernels.paged_decode_cpu import (
-    ISA_CODES,
     check_paged_decode_cpu,
     cpu_kernels_problem,
     isa_levels,
@@ -37,7 +38,9 @@ from paged_engine.layers.attention import (
     get_attention_backend,
     make_attention_metadata,
 )
+from paged_engine.layers.attention import cpu as cpu_module
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
+from tests import fused_mutants, kernel_mutants
 from tests.kernel_cases import (
     DECODE_CASES,
     TOL,
@@ -49,7 +52,18 @@ from tests.kernel_cases import (
     ref_decode,
     run_decode,
 )
-from tests.kernel_mutants import CPU_MUTANTS, CpuKernelMutant
+from tests.kernel_mutants import (
+    BF16_MUTANTS,
+    COMPILE_MUTANTS,
+    CPU_MUTANTS,
+    MUTANTS,
+    PREFILL_MUTANTS,
+    ROOT,
+    THREAD_MUTANTS,
+    CpuKernelMutant,
+    KernelMutant,
+    StaleMutant,
+)
 
 CPU = torch.device("cpu")
 LEVELS = isa_levels()
@@ -130,8 +144,8 @@ def test_a_level_that_does_not_run_here_is_refused_before_writing() -> None:
         paged_decode_attention_cpu(*args, t.scale, out, isa="x86-64-v9")
     # The C entry point refuses a level too (a bad code, or one this build or CPU lacks:
     # the launcher never passes one), before reading anything.
-    module = paged_decode_cpu._MODULE
-    assert module is not None
+    assert paged_decode_cpu._COMPILED is not None
+    module = paged_decode_cpu._COMPILED.module
     missing = [c for n, c in ISA_CODES.items() if n not in module.isa_levels()]
     for code in (-1, 3, *missing):
         launch = replace(check_paged_decode_cpu(*args), isa=code)
@@ -215,6 +229,62 @@ def test_each_mutant_disagrees_with_ref_on_some_layout(mutant: CpuKernelMutant) 
     assert caught, f"no layout catches mutant {mutant.name} ({mutant.bug})"
 
 
+# ---- the mutants' patch files (tests/kernel_mutants/, tests/fused_mutants/) -----------------
+
+
+def test_every_patch_file_is_a_listed_mutant_and_back() -> None:
+    """A patch file no mutant names would never run; a mutant without one fails alone."""
+    listed = (*MUTANTS, *PREFILL_MUTANTS, *COMPILE_MUTANTS, *CPU_MUTANTS, *BF16_MUTANTS)
+    names = [m.name for m in (*listed, *THREAD_MUTANTS)]
+    assert len(names) == len(set(names))
+    assert set(names) == {p.stem for p in kernel_mutants.PATCH_DIR.glob("*.patch")}
+    fused = [m.name for m in fused_mutants.MUTANTS]
+    assert len(fused) == len(set(fused))
+    assert set(fused) == {p.stem for p in fused_mutants.PATCH_DIR.glob("*.patch")}
+
+
+def _removed_line(patch: Path) -> str:
+    lines = patch.read_text().splitlines()
+    return next(ln[1:] for ln in lines if ln.startswith("-") and not ln.startswith("---"))
+
+
+def test_a_patch_applies_after_edits_elsewhere_and_fails_naming_its_hunk_after_its_own(
+    tmp_path: Path,
+) -> None:
+    mutant = CPU_MUTANTS[1]
+    patch = kernel_mutants.PATCH_DIR / f"{mutant.name}.patch"
+    ((path, hunks),) = kernel_mutants.read_patch(patch).items()
+    source = (ROOT / path).read_text()
+    removed = _removed_line(patch)
+    target = tmp_path / path
+    target.parent.mkdir(parents=True)
+    # Lines added above the hunk: it applies where its lines now are.
+    target.write_text("/* an edit elsewhere */\n" * 5 + source)
+    kernel_mutants.apply_patch(mutant.name, patch, tmp_path)
+    patched = target.read_text()
+    assert removed not in patched and hunks[0].new[0] in patched
+    assert len(patched.splitlines()) == len(source.splitlines()) + 5
+    # Its own line reworded: StaleMutant (never an AssertionError, which a test of the
+    # mutant could take for a catch), naming the mutant, the hunk and the file.
+    target.write_text(source.replace(removed, removed + " /* reworded */"))
+    assert not issubclass(StaleMutant, AssertionError)
+    with pytest.raises(StaleMutant) as stale:
+        kernel_mutants.apply_patch(mutant.name, patch, tmp_path)
+    message = str(stale.value)
+    assert f"mutant {mutant.name}: hunk 1 of 1 ({hunks[0].header})" in message
+    assert f"no longer applies to {path}" in message and removed in message
+
+
+def test_a_mutant_is_built_when_used_not_when_listed() -> None:
+    """Collecting a test file never reads a patch: a missing one fails where it is used."""
+    triton = KernelMutant("no_such_mutant", "decode", "listed, never written")
+    c = CpuKernelMutant("no_such_mutant", "listed, never written")
+    with pytest.raises(StaleMutant, match="mutant no_such_mutant: no patch file"):
+        triton.kernel()
+    with pytest.raises(StaleMutant, match="mutant no_such_mutant: no patch file"):
+        c.module()
+
+
 # ---- the backend ----------------------------------------------------------------------------
 
 
@@ -232,17 +302,19 @@ def _step(seq_lens: list[int], query_lens: list[int]) -> tuple[Any, ...]:
     [([37, 9, 16], [1, 1, 1]), ([37, 9, 16], [5, 9, 1])],
     ids=["decode", "prefill"],
 )
-def test_backend_agrees_with_the_torch_backend(seq_lens: list[int], query_lens: list[int]) -> None:
+def test_backend_agrees_with_the_torch_backend(
+    seq_lens: list[int], query_lens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     t, meta = _step(seq_lens, query_lens)
     calls: list[int] = []
     cpu = CpuAttentionBackend(8, torch.float32)
-    kernel = cpu._decode
+    kernel = cpu_module.run_paged_decode_cpu
 
     def counting(*args: Any) -> torch.Tensor:
         calls.append(1)
         return kernel(*args)
 
-    cpu._decode = counting  # type: ignore[method-assign]
+    monkeypatch.setattr(cpu_module, "run_paged_decode_cpu", counting)
     torch_backend = TorchAttentionBackend(8, torch.float32)
     q = t.query
     got = cpu.attend(q, q, q, t.k_cache, t.v_cache, meta, t.scale)
@@ -277,10 +349,8 @@ def test_cpu_backend_refuses_what_it_cannot_run() -> None:
 
 
 def test_a_missing_extension_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    import paged_engine.kernels.paged_decode_cpu as launcher
-
-    monkeypatch.setattr(launcher, "_MODULE", None)
-    monkeypatch.setattr(launcher, "_PROBLEM", "not built (test)")
+    monkeypatch.setattr(paged_decode_cpu, "_COMPILED", None)
+    monkeypatch.setattr(paged_decode_cpu, "_PROBLEM", "not built (test)")
     with pytest.raises(RuntimeError, match="not built"):
         paged_decode_attention_cpu(**_args())
     # "auto" then falls back to the torch backend instead of failing.

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from hypothesis import strategies as st
 
 from paged_engine import platform
 from paged_engine.kernels import paged_decode_cpu
+from paged_engine.kernels.paged_attention_ref import paged_decode_attention_ref
 from paged_engine.kernels.paged_decode_cpu import (
     bf16_variants,
     check_paged_decode_cpu,
@@ -32,12 +32,16 @@ from paged_engine.kernels.paged_decode_cpu import (
     paged_decode_attention_cpu,
 )
 from paged_engine.kernels.paged_decode_cpu_ref import paged_decode_cpu_ref
-from paged_engine.kernels.reference import paged_decode_attention_ref
 from paged_engine.layers.attention import cpu as cpu_module
 from paged_engine.layers.attention import make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from tests.kernel_cases import DECODE_CASES, Case, Tensors, cpu_id, decode_case, make_tensors
-from tests.kernel_mutants import BF16_MUTANTS, CpuKernelMutant, build_c_mutant
+from tests.kernel_mutants import (
+    BF16_MUTANTS,
+    CpuKernelMutant,
+    build_c_module,
+    decode_module_bound,
+)
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -273,8 +277,8 @@ def test_backend_decodes_bf16_on_the_kernel_checking_once_per_step(
     wide = torch.cat([q, q], dim=1)[:, : q.shape[1]]  # a strided query
     assert_one_rounding(backend.attend(wide, q, q, t.k_cache, t.v_cache, meta, t.scale), t)
     assert len(checks) == 3
-    with pytest.raises(ValueError, match="query dtype"):
-        backend._decode(q.float(), t.k_cache, t.v_cache, meta.block_tables, meta.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="resolve negated"):
+        backend.attend(q._neg_view(), q, q, t.k_cache, t.v_cache, meta, t.scale)
     assert len(checks) == 4
 
 
@@ -328,13 +332,13 @@ def test_a_build_without_avx512_bf16_has_the_portable_variant_only() -> None:
     told it is clang; aarch64 takes it too: no x86 levels, no AVX512-BF16 pragma): the
     module builds, offers "portable" at the baseline level only, refuses "avx512bf16" and
     the x86 levels, and computes the same attention."""
-    module = build_c_mutant("as_clang", "paged_decode_head.h", (), ("-D__clang__",))
+    module = build_c_module("as_clang", None, ("-D__clang__",))
     assert module.bf16_variants() == ("portable",)
     assert module.isa_levels() == ("baseline",)
     t = bf16(DECODE_CASES[1])
     t32 = make_tensors(DECODE_CASES[1], CPU)
     args32 = (t32.query, t32.k_cache, t32.v_cache, t32.block_tables, t32.seq_lens, t32.scale)
-    with mock.patch.object(paged_decode_cpu, "_MODULE", module):
+    with decode_module_bound(module):
         assert isa_levels() == ("baseline",)
         assert_one_rounding(launch(t, "auto"), t)
         assert_one_rounding(launch(t, "portable"), t)

@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from paged_engine.kernels import paged_decode_cpu
+from paged_engine.kernels.paged_attention_ref import paged_decode_attention_ref
 from paged_engine.kernels.paged_decode_cpu import (
     check_paged_decode_cpu,
     cpu_kernels_threaded,
     kernel_threads,
     paged_decode_attention_cpu,
 )
-from paged_engine.kernels.reference import paged_decode_attention_ref
 from paged_engine.layers.attention import make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from tests.kernel_cases import Case, Tensors, assert_close, decode_case, make_tensors, ref_decode

@@ -1,5 +1,6 @@
-"""The CPU decode kernel's threads, as built: patched copies of the C driver
-(``run_items``) that tests/test_cpu_kernel_threads.py's checks must catch, the sources
+"""The CPU decode kernel's threads, as built: the mutants of the C driver (``run_items``;
+tests/kernel_mutants.py's ``THREAD_MUTANTS``) that tests/test_cpu_kernel_threads.py's
+checks must catch, the sources
 built without OpenMP (one thread, the same bits), and setup.py dropping ``-fopenmp`` and
 libmvec only where the toolchain refuses them.
 """
@@ -17,65 +18,23 @@ from setuptools import Distribution
 
 from paged_engine.kernels import paged_decode_cpu
 from paged_engine.kernels.paged_decode_cpu import bf16_variants, cpu_kernels_threaded
-from tests import kernel_mutants
 from tests import test_cpu_kernel_threads as checks_module
-from tests.kernel_mutants import CpuKernelMutant, build_c_mutant
+from tests.kernel_mutants import (
+    THREAD_MUTANTS,
+    CpuKernelMutant,
+    build_c_module,
+    decode_module_bound,
+)
 
 ROOT = checks_module.ROOT
 
 
 # ---- the scheduling mutants: patched copies of the C driver, caught by the checks above ----
 
-DECODE_SOURCES = ("csrc/paged_decode_cpu.c", "csrc/paged_decode_bf16.c")
-
-
-def build_decode_mutant(
-    name: str, file: str, patches: tuple[tuple[str, str], ...], extra_args: tuple[str, ...] = ()
-) -> Any:
-    """``build_c_mutant`` compiling the decode kernel's sources only: the library's other
-    module (``csrc/fused_ops.c``) is most of a build's time and is not loaded here."""
-    ext = kernel_mutants.setup_extension()
-    assert set(DECODE_SOURCES) <= set(ext.sources), ext.sources
-    ext.sources = [s for s in ext.sources if s in DECODE_SOURCES]
-    with mock.patch.object(kernel_mutants, "setup_extension", lambda: ext):
-        return build_c_mutant(name, file, patches, extra_args)
-
-
-THREAD_MUTANTS = (
-    CpuKernelMutant(
-        name="threads_skip_last_item",
-        file="paged_decode_cpu.c",
-        patches=(("if (i >= items) break;", "if (i >= items - 1) break;"),),
-        bug="the threads stop one item early: the last claimed item is never computed",
-    ),
-    CpuKernelMutant(
-        name="threads_more_than_items",
-        file="paged_decode_cpu.c",
-        patches=(
-            (
-                "const int threads = items < a->num_threads ? (int)items : a->num_threads;",
-                "const int threads = a->num_threads;",
-            ),
-        ),
-        bug="a call with fewer items than threads still starts every thread",
-    ),
-    CpuKernelMutant(
-        name="threads_ignored",
-        file="paged_decode_cpu.c",
-        patches=(
-            (
-                "const int threads = items < a->num_threads ? (int)items : a->num_threads;",
-                "const int threads = 1;",
-            ),
-        ),
-        bug="num_threads is ignored: every call runs on one thread",
-    ),
-)
-
 
 @pytest.mark.parametrize("mutant", THREAD_MUTANTS, ids=[m.name for m in THREAD_MUTANTS])
 def test_each_scheduling_mutant_is_caught(mutant: CpuKernelMutant) -> None:
-    module = build_decode_mutant(mutant.name, mutant.file, mutant.patches)
+    module = mutant.module()
     failures = []
     checks: list[tuple[Callable[..., None], dict[str, Any]]] = [
         (checks_module.test_the_same_bits_at_every_thread_count, {"name": n, "variant": v})
@@ -83,15 +42,14 @@ def test_each_scheduling_mutant_is_caught(mutant: CpuKernelMutant) -> None:
         for v in (None, *bf16_variants())
     ]
     checks.append((checks_module.test_fewer_items_than_threads_use_fewer_threads, {}))
-    real = paged_decode_cpu._MODULE
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(paged_decode_cpu, "_MODULE", module)
+    real = paged_decode_cpu._COMPILED
+    with decode_module_bound(module):
         for check, kwargs in checks:
             try:
                 check(**kwargs)
             except AssertionError as exc:
                 failures.append(f"{check.__name__}{kwargs}: {str(exc)[:80]}")
-    assert paged_decode_cpu._MODULE is real
+    assert paged_decode_cpu._COMPILED is real
     assert failures, f"no check catches {mutant.name} ({mutant.bug})"
 
 
@@ -102,13 +60,12 @@ def test_a_build_without_openmp_runs_one_thread_with_the_same_bits() -> None:
     """The sources compiled with OpenMP off (what setup.py's BuildExt does where the
     toolchain lacks it): the module builds, says it is not threaded, runs any num_threads on
     one thread, and gives the threaded build's bits."""
-    module = build_decode_mutant("no_openmp", "paged_decode_cpu.c", (), ("-fno-openmp",))
+    module = build_c_module("no_openmp", None, ("-fno-openmp",))
     assert not module.threaded()
     t = checks_module.materialise(checks_module.CASES["ragged-gqa"], None)
     want, ran = checks_module.run(t, None, 4)
     assert ran == 4
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(paged_decode_cpu, "_MODULE", module)
+    with decode_module_bound(module):
         assert not cpu_kernels_threaded()
         got, ran = checks_module.run(t, None, 4)
     assert ran == 1

@@ -12,9 +12,10 @@ mutants must each fail the same check the real kernel passes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 from paged_engine import platform
 from paged_engine.kernels import fused_ops_cpu
+from paged_engine.kernels.cpu_library import ISA_CODES
 from paged_engine.kernels.fused_ops_cpu import (
     MAX_COLS,
     add_rms_norm_cpu,
@@ -50,6 +52,12 @@ LEVELS = isa_levels()
 """The compiled levels this CPU runs (at least the baseline; empty without the kernels,
 which the first test fails on)."""
 each_level = pytest.mark.parametrize("isa", LEVELS)
+
+
+def compiled_module() -> Any:
+    """The launcher's compiled module, to call its C entry points directly."""
+    assert fused_ops_cpu._COMPILED is not None, fused_ops_problem()
+    return fused_ops_cpu._COMPILED.module
 
 
 def test_the_kernels_are_built_and_torch_sum_order_is_known() -> None:
@@ -256,7 +264,9 @@ def test_the_calls_run_the_best_level_the_platform_allows(monkeypatch: pytest.Mo
     """Without ``isa``, each op runs the first of ``isa_levels()``; a platform that reports
     fewer flags (an older CPU, forced here) moves every op down to what it allows."""
     seen: list[int] = []
-    real = fused_ops_cpu._MODULE
+    compiled = fused_ops_cpu._COMPILED
+    assert compiled is not None
+    real = compiled.module
 
     class Levels:
         def __getattr__(self, name: str) -> Any:
@@ -267,17 +277,17 @@ def test_the_calls_run_the_best_level_the_platform_allows(monkeypatch: pytest.Mo
 
             return call
 
-    monkeypatch.setattr(fused_ops_cpu, "_MODULE", Levels())
+    monkeypatch.setattr(fused_ops_cpu, "_COMPILED", replace(compiled, module=Levels()))
     x = torch.randn(3, 2, 16)
     silu_and_mul_cpu(x)
     add_rms_norm_cpu(x, x, torch.ones(16), EPS)
-    assert seen == [fused_ops_cpu.ISA_CODES[LEVELS[0]]] * 2
+    assert seen == [ISA_CODES[LEVELS[0]]] * 2
     baseline_cpu = replace(platform.cpu_info(), flags=frozenset())
     monkeypatch.setattr(platform, "cpu_info", lambda: baseline_cpu)
     assert isa_levels() == ("baseline",)
     seen.clear()
     silu_and_mul_cpu(x)
-    assert seen == [fused_ops_cpu.ISA_CODES["baseline"]]
+    assert seen == [ISA_CODES["baseline"]]
 
 
 def test_a_level_that_does_not_run_here_is_refused() -> None:
@@ -286,9 +296,9 @@ def test_a_level_that_does_not_run_here_is_refused() -> None:
         silu_and_mul_cpu(x, isa="x86-64-v9")
     # The C entry points refuse a level themselves too: a bad code, and any level this
     # build or CPU lacks (the launcher never passes one), before reading anything.
-    module = fused_ops_cpu._MODULE
+    module = compiled_module()
     out = torch.full((2, 4), 7.0)
-    missing = [c for n, c in fused_ops_cpu.ISA_CODES.items() if n not in module.isa_levels()]
+    missing = [c for n, c in ISA_CODES.items() if n not in module.isa_levels()]
     for code in (-1, 3, *missing):
         with pytest.raises(ValueError, match=f"instruction-set level {code} is not built"):
             module.silu_and_mul(x.data_ptr(), 8, out.data_ptr(), 4, 2, 4, 0, 1, code)
@@ -395,8 +405,15 @@ class Recorder:
         return call
 
 
-def recording() -> Any:
-    return mock.patch.object(fused_ops_cpu, "_MODULE", Recorder(fused_ops_cpu._MODULE))
+@contextmanager
+def recording() -> Iterator[Recorder]:
+    """The launcher's module wrapped in a ``Recorder`` inside the block."""
+    compiled = fused_ops_cpu._COMPILED
+    assert compiled is not None
+    recorder = Recorder(compiled.module)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused_ops_cpu, "_COMPILED", replace(compiled, module=recorder))
+        yield recorder
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -441,7 +458,7 @@ def test_the_modules_keep_torch_where_a_gradient_is_needed_or_the_dtype_is_other
 @each_level
 def test_threads_change_no_bit(isa: str) -> None:
     """Each row is computed whole by one thread (csrc/fused_ops.c's run_ranges)."""
-    module = fused_ops_cpu._MODULE
+    module = compiled_module()
     x = torch.randn(300, 512)
     w = torch.rand(512) + 0.5
     outs, teams = [], []
@@ -464,7 +481,7 @@ def test_threads_change_no_bit(isa: str) -> None:
                 0,
                 torch_sum_lanes(),
                 threads,
-                fused_ops_cpu.ISA_CODES[isa],
+                ISA_CODES[isa],
             )
         )
         outs.append(out)

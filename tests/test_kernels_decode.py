@@ -19,7 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_engine.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
-from paged_engine.kernels.store_kv import store_kv, store_kv_ref
+from paged_engine.kernels.store_kv import store_kv
+from paged_engine.kernels.store_kv_ref import store_kv_ref
 from tests.kernel_cases import (
     CPU_DTYPES,
     DECODE_CASES,

@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from paged_engine.kernels.store_kv import store_kv, store_kv_ref
+from paged_engine.kernels.store_kv import store_kv
+from paged_engine.kernels.store_kv_ref import store_kv_ref
 from paged_engine.layers.attention.base import AttentionMetadata
 from paged_engine.layers.attention.flash import FlashAttnBackend
 from tests.kernel_cases import (

@@ -84,9 +84,9 @@ def test_the_levels_agree_with_the_kernels_own_cpuid_check() -> None:
     as setup.py's every x86 build here: a build without the levels fails this, as a
     silently slower build should) it must find exactly the levels the platform layer
     finds in /proc/cpuinfo. Elsewhere both say "baseline"."""
-    module = paged_decode_cpu._MODULE
-    assert module is not None, paged_decode_cpu.cpu_kernels_problem()
-    assert module.isa_levels() == platform.cpu_info().isa_levels
+    compiled = paged_decode_cpu._COMPILED
+    assert compiled is not None, paged_decode_cpu.cpu_kernels_problem()
+    assert compiled.module.isa_levels() == platform.cpu_info().isa_levels
     assert paged_decode_cpu.isa_levels() == platform.cpu_info().isa_levels
 
 

@@ -12,25 +12,23 @@ the order of torch's own CPU sum, whose vector width depends on how torch was bu
 the CPU: ``torch_sum_lanes`` measures it once (a three-element probe, below) and without a
 width the kernel knows, ``fused_ok`` is False and the modules stay on torch.
 
-The kernels live in the ``_cpu_kernels`` library as a second module, ``_fused_ops`` (PEP
-489 allows several in one library): an older build without it leaves ``fused_ops_problem``
-set and the modules on torch. Each op is compiled once per instruction-set level
-(csrc/isa.h, as the decode kernel); every call runs the best of ``isa_levels()``, the
-levels the platform layer allows, unless a caller names one (``isa``, for tests and
-bench/test_isa_levels_bench.py).
+The kernels live in the ``_cpu_kernels`` library as a second module, ``_fused_ops``
+(``cpu_library``, which binds it once): an older build without it leaves
+``fused_ops_problem`` set and the modules on torch. Each op is compiled once per
+instruction-set level (csrc/isa.h, as the decode kernel); every call runs the best of
+``isa_levels()``, the levels the platform layer allows, unless a caller names one (``isa``,
+for tests and bench/test_isa_levels_bench.py).
 """
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 from functools import cache
 from types import ModuleType
 
 import torch
 
 from paged_engine import platform
-from paged_engine.kernels.paged_decode_cpu import ISA_CODES
+from paged_engine.kernels.cpu_library import level_code, load_fused_module
 
 __all__ = [
     "DTYPES",
@@ -55,25 +53,8 @@ a choice, not a tuned figure. Above it, ``torch.get_num_threads()`` threads wher
 library is built with OpenMP (each row whole on one thread: the bits do not change)."""
 
 
-def _load() -> tuple[ModuleType | None, str | None]:
-    spec = importlib.util.find_spec("paged_engine._cpu_kernels")
-    if spec is None or spec.origin is None:
-        return None, "the compiled CPU kernels are not built (no paged_engine._cpu_kernels)"
-    name = "paged_engine._fused_ops"
-    try:
-        loader = importlib.machinery.ExtensionFileLoader(name, spec.origin)
-        fused_spec = importlib.util.spec_from_file_location(name, spec.origin, loader=loader)
-        assert fused_spec is not None
-        module = importlib.util.module_from_spec(fused_spec)
-        loader.exec_module(module)
-    except ImportError as exc:
-        return None, f"the compiled CPU kernels predate the fused ops ({exc}); rebuild them"
-    if not hasattr(module, "isa_levels"):
-        return None, "the compiled CPU kernels predate the instruction-set levels; rebuild them"
-    return module, None
-
-
-_MODULE, _PROBLEM = _load()
+_COMPILED, _PROBLEM = load_fused_module()
+"""The compiled module (``_fused_ops``), bound once; or None, and why."""
 
 
 def fused_ops_problem() -> str | None:
@@ -107,7 +88,7 @@ def fused_ok(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: all on the CPU, all float32 or all bfloat16,
     with a unit last stride, none needing a gradient, and the kernels built with a known
     sum order. A few attribute reads a tensor: the modules ask on every call."""
-    if _MODULE is None or torch_sum_lanes() is None:
+    if _COMPILED is None or torch_sum_lanes() is None:
         return False
     dtype = tensors[0].dtype
     if dtype not in DTYPES:
@@ -127,35 +108,19 @@ def _threads(elements: int) -> int:
 
 
 def _module(what: str) -> ModuleType:
-    module = _MODULE  # read per call: tests swap in mutants
-    if module is None:
+    if _COMPILED is None:
         raise RuntimeError(f"{what}: {_PROBLEM}")
-    return module
-
-
-@cache
-def _levels(module: ModuleType, runs: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(level for level in module.isa_levels() if level in runs)
+    return _COMPILED.module
 
 
 def isa_levels() -> tuple[str, ...]:
-    """The instruction-set levels (``ISA_CODES``' names) the kernels run at here, best
-    first: those the built module has and this CPU executes (its own check) that the
-    platform layer also finds the CPU's flags for (``platform.CpuInfo.isa_levels``); every
-    call takes the first. Worked out once per module and platform answer, as the ops run
-    per layer. Empty without the module."""
-    module = _MODULE
-    return () if module is None else _levels(module, platform.cpu_info().isa_levels)
-
-
-def _isa(what: str, isa: str | None) -> int:
-    """The code of level ``isa`` (None: the best here), refused where it does not run."""
-    levels = isa_levels()
-    if isa is None:
-        return ISA_CODES[levels[0]]
-    if isa not in levels:
-        raise ValueError(f"{what}: isa {isa!r} is not available here; choose one of {levels}")
-    return ISA_CODES[isa]
+    """The instruction-set levels (``cpu_library.ISA_CODES``' names) the kernels run at
+    here, best first: those the built module has and this CPU executes (its own check) that
+    the platform layer also finds the CPU's flags for (``platform.CpuInfo.isa_levels``);
+    every call takes the first. Empty without the module."""
+    if _COMPILED is None:
+        return ()
+    return _COMPILED.levels_allowed(platform.cpu_info().isa_levels)
 
 
 def _lanes(what: str) -> int:
@@ -209,7 +174,7 @@ def add_rms_norm_cpu(
         raise ValueError(f"{what}: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
     if not 1 <= n <= MAX_COLS:
         raise ValueError(f"{what}: rows of {n} elements; 1 to {MAX_COLS} supported")
-    module, lanes, level = _module(what), _lanes(what), _isa(what, isa)
+    module, lanes, level = _module(what), _lanes(what), level_code(what, isa, isa_levels())
     x2 = _rows(x, n)
     r2 = None if residual is None else _rows(residual, n)
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -278,7 +243,7 @@ def qk_norm_rope_cpu_(
         raise ValueError(f"{what}: cos and sin need one row stride, got {cos.stride()}")
     if d % 2 or not 2 <= d <= MAX_COLS:
         raise ValueError(f"{what}: head_dim {d} must be even and at most {MAX_COLS}")
-    module, lanes, level = _module(what), _lanes(what), _isa(what, isa)
+    module, lanes, level = _module(what), _lanes(what), level_code(what, isa, isa_levels())
     if tokens and heads:
         module.qk_norm_rope(
             qk.data_ptr(),
@@ -311,7 +276,7 @@ def silu_and_mul_cpu(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor
     width = x.shape[-1] if x.dim() else 1
     if width % 2:
         raise ValueError(f"{what}: the last axis must be even ([gate | up]), got {width}")
-    module, level = _module(what), _isa(what, isa)
+    module, level = _module(what), level_code(what, isa, isa_levels())
     x2 = _rows(x, width)
     d = width // 2
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)

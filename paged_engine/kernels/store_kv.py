@@ -6,8 +6,9 @@ sit in their slots. ``slot_mapping[i]`` is the flat slot (``block_id * block_siz
 of token ``i``; -1 marks a token whose K/V must not be written (a padded row, or a token whose
 block is shared and already filled by a prefix-cache hit).
 
-The module also holds the cache-layout, argument and device checks that the attention
-launchers share, because the cache layout is defined by what this kernel writes.
+The module also holds the checks the Triton attention launchers share that depend on the
+kernel (dtype, device, interpreter: ``check_launchable``); the layout checks, plain torch,
+are ``checks``'s. The readable reference is ``store_kv_ref``.
 """
 
 # Triton kernels cannot carry Python annotations on their parameters (Triton reads
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from paged_engine.kernels.checks import check_int_vector, check_kv_caches, check_query_and_tables
+from paged_engine.kernels.checks import check_kv_caches
 from paged_engine.kernels.decode_plan import next_power_of_2
 from paged_engine.kernels.launch import KernelLaunch, run_launches
 
@@ -29,16 +30,12 @@ __all__ = [
     "INTERPRETER_DTYPES",
     "SUPPORTED_DTYPES",
     "check_dtype",
-    "check_int_vector",
-    "check_kv_caches",
     "check_launchable",
-    "check_query_and_tables",
     "check_runnable",
     "check_store_kv",
     "kernel_is_interpreted",
     "store_kv",
     "store_kv_launches",
-    "store_kv_ref",
 ]
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -106,21 +103,6 @@ def check_launchable(
             raise ValueError(f"{what}: out needs unit stride on its last dim, got {out.stride()}")
     check_dtype(kernel, what, query.dtype)
     check_runnable(kernel, what, query, *tensors, *([out] if out is not None else []))
-
-
-def store_kv_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Reference scatter, in plain torch: ``cache.flat[slot] = row`` for every slot != -1."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep]
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep]
 
 
 @triton.jit
