@@ -29,7 +29,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,6 +54,7 @@ from paged_engine.layers.linear import (
 )
 from paged_engine.layers.parallel import TPGroup
 from paged_engine.sampling_params import SamplingParams
+from paged_engine.utils.model_config import ModelConfig
 from paged_engine.utils.tiny_model import make_tiny_model
 from paged_engine.worker.handoff import BroadcastChannel, ShmChannel
 from paged_engine.worker.model_runner import ModelRunner
@@ -77,23 +77,23 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tp_bench") / "tiny", seed=0)
+def model(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
+    return ModelConfig.load(make_tiny_model(tmp_path_factory.mktemp("tp_bench") / "tiny", seed=0))
 
 
 def engine_for(runner: ModelRunner) -> LLMEngine:
     return LLMEngine(
         runner,
         runner.config,
-        vocab_size=int(runner.hf_config.vocab_size),
+        vocab_size=runner.model_config.vocab_size,
         eos_token_id=None,
         num_kvcache_blocks=runner.num_kvcache_blocks,
     )
 
 
 @pytest.fixture(scope="module")
-def tp1(model_dir: Path) -> LLMEngine:
-    return engine_for(ModelRunner(model_dir, CONFIG))
+def tp1(model: ModelConfig) -> LLMEngine:
+    return engine_for(ModelRunner(model, CONFIG))
 
 
 class Probe:
@@ -138,11 +138,11 @@ def run(engine: LLMEngine) -> tuple[float, int]:
 def test_tp_step(
     benchmark: Any,
     monkeypatch: pytest.MonkeyPatch,
-    model_dir: Path,
+    model: ModelConfig,
     tp1: LLMEngine,
     transport: str,
 ) -> None:
-    runner = start_tensor_parallel(model_dir, replace(CONFIG, tensor_parallel_size=2), transport)
+    runner = start_tensor_parallel(model, replace(CONFIG, tensor_parallel_size=2), transport)
     try:
         tp2 = engine_for(runner)
         run(tp2)  # warm-up
@@ -221,17 +221,17 @@ def forward_seconds(runner: ModelRunner, calls: int) -> float:
 
 
 @pytest.mark.benchmark(group="tp1-path")
-def test_tp1_path(benchmark: Any, model_dir: Path, tp1: LLMEngine) -> None:
+def test_tp1_path(benchmark: Any, model: ModelConfig, tp1: LLMEngine) -> None:
     """The same workload on the product's TP=1 model (parallel layers, one rank) and on a
     copy whose layers are the plain classes (``__class__`` swapped back), rounds
     interleaved; ``extra_info``: both, and the ratio product / plain."""
-    plain_runner = ModelRunner(model_dir, CONFIG)
+    plain_runner = ModelRunner(model, CONFIG)
     swapped = 0
     for m in plain_runner.model.modules():
         if type(m) in PLAIN:
             m.__class__ = PLAIN[type(m)]
             swapped += 1
-    layers = int(plain_runner.hf_config.num_hidden_layers)
+    layers = int(plain_runner.model_config.hf_config.num_hidden_layers)
     assert swapped == 4 * layers + 2  # qkv, o, gate_up, down per layer; embedding, head
     plain = engine_for(plain_runner)
     run(plain)

@@ -24,8 +24,8 @@ from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request import RequestOutput
 from paged_engine.engine.stats import RunStats
 from paged_engine.errors import ModelConfigError
-from paged_engine.utils.loader import load_tokenizer
-from paged_engine.utils.model_config import eos_token_ids, load_config
+from paged_engine.utils.model_config import ModelConfig
+from paged_engine.utils.tokenizer import load_tokenizer
 from paged_engine.worker.model_runner import ModelRunner
 
 _ALIASES = {"block_size": "kvcache_block_size"}
@@ -119,33 +119,38 @@ class LLM:
         engine_config, len_given = _engine_config(kwargs)
         model_dir = _model_dir(model)
         tokenizer_dir = model_dir if tokenizer is None else _model_dir(tokenizer)
-        hf_config = load_config(model_dir)
+        # config.json and generation_config.json, read once: the runner and every
+        # tensor-parallel worker get this record, never the file
+        model_config = ModelConfig.load(model_dir)
         if not len_given:
-            max_pos = int(hf_config.max_position_embeddings)
-            default = min(engine_config.max_model_len, max_pos)
+            default = min(engine_config.max_model_len, model_config.max_position_embeddings)
             engine_config = replace(engine_config, max_model_len=default)
         # the tokenizer and eos ids can be refused too: read before the weights
-        self.tokenizer = load_tokenizer(tokenizer_dir)
-        eos = eos_token_ids(model_dir, hf_config)
+        self.tokenizer = load_tokenizer(
+            tokenizer_dir, model_config.hf_config if tokenizer is None else None
+        )
+        eos = model_config.eos_token_ids
         if eos is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (int(self.tokenizer.eos_token_id),)
-            _check_tokenizer_eos(eos[0], int(hf_config.vocab_size), tokenizer_dir)
+            _check_tokenizer_eos(eos[0], model_config.vocab_size, tokenizer_dir)
         self._closed = False
         if engine_config.tensor_parallel_size == 1:
-            self.model_runner = ModelRunner(model_dir, engine_config)
+            self.model_runner = ModelRunner(model_config, engine_config, eos_token_ids=eos or ())
         else:
             from paged_engine.worker.tp_worker import start_tensor_parallel
 
-            self.model_runner = start_tensor_parallel(model_dir, engine_config)
+            self.model_runner = start_tensor_parallel(
+                model_config, engine_config, eos_token_ids=eos or ()
+            )
         workers = self.model_runner.workers
         self._finalizer = weakref.finalize(self, workers.close) if workers else None
-        self.model_runner.eos_token_ids = tuple(eos or ())
         self.config = self.model_runner.config
+        """The engine config with the device's defaults filled in (by the runner)."""
         try:
             self.llm_engine = LLMEngine(
                 self.model_runner,
                 self.config,
-                vocab_size=int(self.model_runner.hf_config.vocab_size),
+                vocab_size=model_config.vocab_size,
                 num_kvcache_blocks=self.model_runner.num_kvcache_blocks,
                 eos_token_id=eos,
                 tokenizer=cast(Tokenizer | None, self.tokenizer),

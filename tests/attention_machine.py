@@ -9,7 +9,7 @@ step, all decoding sequences in one batch; decode growth preempts when the pool 
 and sequences are preempted or finished at random, their blocks released and reused.
 
 Every compute step goes through the production paths: the step's metadata comes from
-``ModelRunner.prepare`` (which maps slots with ``engine.indexing.slot_mapping``), K/V rows
+the runner's ``BatchBuilder`` (which maps slots with ``engine.indexing.slot_mapping``), K/V rows
 are written with the lane's ``store_kv`` and read back with its ``attend``. The machine keeps
 what the cache is supposed to mean: each live sequence's logical, contiguous K/V history.
 The K/V of the token at position ``p`` is a deterministic function of tokens ``0..p`` (a
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from hypothesis import event
@@ -50,8 +49,13 @@ from xxhash import xxh64_intdigest
 
 from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.sequence import Sequence, SequenceStatus
-from paged_engine.layers.attention import AttentionBackend, AttentionMetadata, naive_attention
-from paged_engine.worker.model_runner import ModelRunner
+from paged_engine.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    HostStaging,
+    naive_attention,
+)
+from paged_engine.worker.model_inputs import BatchBuilder
 
 BackendFactory = Callable[[int, torch.dtype], AttentionBackend]
 """``(block_size, dtype) -> backend``."""
@@ -180,12 +184,9 @@ def make_machine(config: MachineConfig) -> type[RuleBasedStateMachine]:
                 )
                 for lane in config.lanes
             ]
-            # ModelRunner.prepare reads only these three attributes of the runner: calling it
-            # on a stand-in builds each step's metadata exactly as the engine does, without
-            # loading a model.
-            self.runner_view = SimpleNamespace(
-                block_size=block_size, kv_cache=torch.empty(1, device=device), device=device
-            )
+            # The model runner's own input builder: each step's metadata is built exactly as
+            # the engine builds it, without loading a model.
+            self.batch_builder = BatchBuilder(block_size, HostStaging(device))
 
         # ---- K/V as a function of the prefix -----------------------------------------------
 
@@ -379,8 +380,7 @@ def make_machine(config: MachineConfig) -> type[RuleBasedStateMachine]:
         def _run_step(self, batch: list[Live], is_prefill: bool) -> None:
             self.steps += 1
             seqs = [lv.seq for lv in batch]
-            runner: ModelRunner = self.runner_view  # type: ignore[assignment]  # a stand-in
-            meta: AttentionMetadata = ModelRunner.prepare(runner, seqs, is_prefill).meta
+            meta: AttentionMetadata = self.batch_builder.build(seqs, is_prefill).meta
             spans = [
                 (s.num_cached_tokens, s.num_cached_tokens + s.num_scheduled_tokens) for s in seqs
             ]

@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from paged_engine.layers.attention import TorchAttentionBackend
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
-from paged_engine.utils.loader import load_model, load_tokenizer
+from paged_engine.utils.loader import load_model
 from paged_engine.utils.tiny_model import make_tiny_model
+from paged_engine.utils.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
 

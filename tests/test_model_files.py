@@ -20,8 +20,8 @@ import paged_engine.utils.loader as loader
 from paged_engine import LLM, SamplingParams
 from paged_engine.errors import ModelConfigError
 from paged_engine.layers.attention import TorchAttentionBackend
-from paged_engine.utils.loader import load_tokenizer
 from paged_engine.utils.tiny_model import make_tiny_model
+from paged_engine.utils.tokenizer import load_tokenizer
 from tests.test_model_dirs import no_weights  # noqa: F401 - a fixture
 
 INDEX = "model.safetensors.index.json"

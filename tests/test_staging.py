@@ -1,5 +1,6 @@
 """HostStaging: the step's arrays arrive intact, one copy per dtype, through reused arenas
-that are never overwritten while the previous copy out of them may still be in flight.
+that are never overwritten while the previous copy out of them may still be in flight; the
+runner's ``BatchBuilder`` stages every step through the one staging it was built with.
 
 Without a GPU the arena path runs on the CPU with a stand-in event (``pin=False``), which
 records when it is recorded and waited on: the ordering is what is checked.
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.attention import HostMetadata, HostStaging, make_attention_metadata
+from paged_engine.worker.model_inputs import BatchBuilder
 
 
 class FakeEvent:
@@ -92,3 +95,36 @@ def test_every_array_starts_16_bytes_aligned() -> None:
     tensors = _staging([]).stage(arrays)
     assert [t.tolist() for t in tensors] == [list(range(n)) for n in (3, 5, 1, 7) for _ in "ab"]
     assert all(t.data_ptr() % 16 == 0 for t in tensors), [t.data_ptr() % 16 for t in tensors]
+
+
+def _prefill(tokens: list[int], table: list[int]) -> Sequence:
+    seq = Sequence(tokens, block_size=4)
+    seq.block_table = table
+    seq.num_scheduled_tokens = len(tokens)
+    return seq
+
+
+def test_the_batch_builder_stages_every_step_through_its_one_staging() -> None:
+    log: list[tuple[str, int]] = []
+    builder = BatchBuilder(4, _staging(log))
+    seqs = [_prefill([3, 4, 5, 6, 7, 8], [4, 1]), _prefill([9, 10, 11], [0])]
+    first = builder.build(seqs, is_prefill=True)
+    recorded = list(log)
+    assert recorded and all(kind == "record" for kind, _ in recorded)
+    second = builder.build(seqs, is_prefill=True)
+    # the second step waits on each of the first step's copies before reusing its arenas
+    waits = [e for e in log[len(recorded) :] if e[0] == "wait"]
+    assert sorted(i for _, i in waits) == sorted(i for _, i in recorded)
+    for batch in (first, second):
+        assert batch.input_ids.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11]
+        assert batch.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+        assert batch.meta.slot_mapping.tolist() == [16, 17, 18, 19, 4, 5, 0, 1, 2]
+        assert batch.sample_rows.tolist() == [5, 8] and batch.sampling == (0, 1)
+
+
+def test_without_block_tables_nothing_is_stored() -> None:
+    """The CUDA warm-up runs before the pool exists: every slot is -1."""
+    builder = BatchBuilder(4, _staging([]))
+    batch = builder.build([_prefill([3, 4, 5], [7])], is_prefill=True, with_block_tables=False)
+    assert batch.meta.slot_mapping.tolist() == [-1, -1, -1]
+    assert batch.input_ids.tolist() == [3, 4, 5]

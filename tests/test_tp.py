@@ -25,7 +25,7 @@ import torch
 import paged_engine.models.qwen3 as qwen3
 from paged_engine import LLM, SamplingParams
 from paged_engine.worker import tp_worker
-from paged_engine.worker.tp_worker import WorkerError
+from paged_engine.worker.tp_process import WorkerError
 from tests import tp_mutants
 from tests.hf_oracle import HFOracle, Reference, compare
 from tests.tp_support import (

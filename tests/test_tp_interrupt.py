@@ -22,7 +22,7 @@ import pytest
 from paged_engine import LLM
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.worker import distributed as tpd
-from paged_engine.worker.tp_worker import WorkerError
+from paged_engine.worker.tp_process import WorkerError
 from tests.tp_support import CONFIG, GREEDY, alive, assert_gone, bounded, make_prompts
 
 ENV = "PAGED_ENGINE_TP_TIMEOUT_S"

@@ -20,7 +20,8 @@ import pytest
 
 from paged_engine import LLM
 from paged_engine.worker import tp_worker
-from paged_engine.worker.tp_worker import SHUTDOWN_NOTE, WorkerError, WorkerGroup, add_note
+from paged_engine.worker.tp_process import WorkerError
+from paged_engine.worker.tp_worker import SHUTDOWN_NOTE, WorkerGroup, add_note
 from tests import tp_mutants
 from tests.tp_support import CONFIG, GREEDY, assert_gone, bounded, make_prompts
 
@@ -80,7 +81,7 @@ def test_a_failed_group_notes_its_shutdown_without_add_note(
     """Before the fix ``fail`` called ``err.add_note`` and raised AttributeError there."""
     monkeypatch.setattr(tp_worker, "REPORT_GRACE_S", 0.0)
     group = WorkerGroup.__new__(WorkerGroup)  # no workers, closed: fail() only notes
-    group.procs, group.conns, group.closed, group.failed = [], [], True, False
+    group.workers, group.closed, group.failed = [], True, False
     err = kind("the collective failed")
     assert not hasattr(err, "add_note")
     assert group.fail(err) is err

@@ -1,14 +1,17 @@
 """Broken tensor-parallel pieces, and worker entry points that run them.
 
-``WorkerGroup`` starts each worker with ``tp_worker.worker_main`` as it reads it at call
-time, so a test that monkeypatches that name starts one of the entry points below
-instead: it patches the worker process, then runs the real ``worker_main``. A mutant of a
-layer must run on every rank (rank 0 too, patched by the test), or the ranks would make
-different collective calls and crash rather than compute something wrong.
+``WorkerGroup`` starts each worker with the ``worker_main`` of its module
+(``tp_worker.worker_main``, imported from ``tp_process``), so a test that monkeypatches
+``tp_worker.worker_main`` starts one of the entry points below instead: it patches the
+worker process, then runs the real ``worker_main``. A mutant of a layer must run on every
+rank (rank 0 too, patched by the test), or the ranks would make different collective
+calls and crash rather than compute something wrong.
 
 Each mutant computes *wrong tokens without crashing*, so the equality test catches it by
 comparison (tests/test_tp.py). ``raising_worker`` and ``exiting_worker`` are faults, not
 mutants: the failure tests check that they surface as a clear error.
+``config_unreadable_worker`` is a probe: it starts only if the worker builds its rank
+without reading config.json (tests/test_load_path.py).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import torch
 import torch.nn.functional as F
 
 import paged_engine.models.qwen3 as qwen3
+import paged_engine.utils.model_config as model_config
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.embed_head import VocabParallelEmbedding
 from paged_engine.layers.linear import RowParallelLinear
 from paged_engine.worker.model_runner import ModelRunner
-from paged_engine.worker.tp_worker import worker_main as real_worker_main
+from paged_engine.worker.tp_process import worker_main as real_worker_main
 
 
 class RowParallelWithoutAllReduce(RowParallelLinear):
@@ -93,7 +97,7 @@ def exit_on_third_decode_step(self: ModelRunner, seqs: list[Sequence], is_prefil
     self._forward(seqs, is_prefill)
 
 
-# ---- worker entry points (the signature of tp_worker.worker_main) -----------------------
+# ---- worker entry points (the signature of tp_process.worker_main) ----------------------
 
 
 def row_parallel_worker(rank: int, spec: Any, signal: Any, conn: Any) -> None:
@@ -118,4 +122,25 @@ def raising_worker(rank: int, spec: Any, signal: Any, conn: Any) -> None:
 
 def exiting_worker(rank: int, spec: Any, signal: Any, conn: Any) -> None:
     ModelRunner.run_worker = exit_on_third_decode_step  # type: ignore[method-assign]
+    real_worker_main(rank, spec, signal, conn)
+
+
+def config_unreadable_worker(rank: int, spec: Any, signal: Any, conn: Any) -> None:
+    """A worker in which reading config.json raises, by this package's reader and by
+    transformers': it starts only if it builds its rank from the ``ModelConfig`` that rank
+    0 pickled into its spec."""
+    from transformers import AutoConfig
+
+    real_read = model_config.read_json_object
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"worker rank {rank} parsed config.json: {args}")
+
+    def read_json_object(path: Any) -> Any:
+        if path.name == "config.json":
+            refuse(path)
+        return real_read(path)
+
+    model_config.read_json_object = read_json_object  # type: ignore[assignment]
+    AutoConfig.from_pretrained = refuse  # type: ignore[method-assign]
     real_worker_main(rank, spec, signal, conn)

@@ -39,12 +39,9 @@ from safetensors import SafetensorError, safe_open
 from paged_engine.errors import ModelConfigError
 from paged_engine.layers.parallel import SINGLE, TPGroup
 from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3ForCausalLM
-from paged_engine.utils.model_config import (  # load_tokenizer: re-exported
-    CONFIG_FILE,
-    load_config,
-    load_tokenizer,
-    read_json_object,
-)
+from paged_engine.utils.json_file import read_json_object
+from paged_engine.utils.model_config import CONFIG_FILE, load_config
+from paged_engine.utils.tokenizer import load_tokenizer  # re-exported: the directory's files
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

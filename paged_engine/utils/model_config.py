@@ -1,5 +1,6 @@
-"""A model directory's config.json, generation_config.json and tokenizer files, read and
-validated (the weights: ``loader.py``).
+"""A model directory's config.json and generation_config.json, read and validated once into
+a ``ModelConfig`` that is handed down (the tokenizer: ``tokenizer.py``; the weights:
+``loader.py``).
 
 Every problem is refused with the file it is in and the field it concerns
 (``errors.ModelConfigError``: ``path`` and ``key``), before a weight is read or a tensor
@@ -21,9 +22,9 @@ parsed by transformers itself (``AutoConfig``).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,20 +32,14 @@ from huggingface_hub.errors import StrictDataclassError
 
 from paged_engine.errors import ModelConfigError
 from paged_engine.models.qwen3 import check_supported_config
+from paged_engine.utils.json_file import read_json_object
+
+__all__ = ["ModelConfig", "eos_token_ids", "head_dim", "load_config"]
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig
 
 CONFIG_FILE = "config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-TOKENIZER_JSON_FILES = (
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-)
-"""The tokenizer's JSON files besides tokenizer.json (which ``tokenizers`` parses itself),
-each checked to be a JSON object before transformers reads it."""
 GENERATION_CONFIG_FILE = "generation_config.json"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 SIZE_FIELDS = (
@@ -72,21 +67,6 @@ DTYPE_KEYS = ("dtype", "torch_dtype")
 """Where a config declares the checkpoint's dtype (``torch_dtype``: transformers < 4.56)."""
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 """The declared dtypes this engine runs (``worker/devices.py``)."""
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; ``ModelConfigError`` naming the file when it is not
-    one (not UTF-8, not JSON, not an object)."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise ModelConfigError(str(path), f"is not UTF-8 text: {err}") from None
-    except json.JSONDecodeError as err:
-        raise ModelConfigError(str(path), f"is not valid JSON: {err}") from None
-    if not isinstance(value, dict):
-        reason = f"must hold a JSON object, not a {type(value).__name__}"
-        raise ModelConfigError(str(path), reason)
-    return value
 
 
 def _check_architecture(raw: Mapping[str, Any], config_path: Path) -> None:
@@ -243,33 +223,54 @@ def eos_token_ids(model_dir: str | Path, config: PretrainedConfig) -> tuple[int,
     return None if value is None else _eos_ids(value, path / CONFIG_FILE, vocab_size)
 
 
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
-    """The directory's tokenizer, or None when it has no tokenizer files.
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A model directory's configuration, read and validated once (``load``) and handed
+    down: ``LLM`` reads it, the model runner builds the model and its KV pool from it, and
+    each tensor-parallel worker gets it pickled in its spec. No rank reads config.json
+    again, so every rank runs the config that was validated, even if the file changes
+    while they start.
 
-    A tokenizer that cannot be read is refused with ``ModelConfigError`` naming the file
-    (its JSON files, and ``tokenizer.json`` parsed by ``tokenizers``, are checked first:
-    the errors transformers raises for them, ``UnicodeDecodeError``, ``KeyError``,
-    ``JSONDecodeError``, name none), else the directory."""
-    path = Path(model_dir)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    from tokenizers import Tokenizer
-    from transformers import AutoTokenizer
+    ``hf_config`` is transformers' parse of config.json (what the model's modules read);
+    ``eos_token_ids`` are the ids that end generation by the directory's own files
+    (``eos_token_ids``: generation_config.json's, else config.json's), None when neither
+    sets one."""
 
-    for name in TOKENIZER_JSON_FILES:
-        if (path / name).is_file():
-            read_json_object(path / name)
-    if (path / "tokenizer.json").is_file():
-        try:
-            Tokenizer.from_file(str(path / "tokenizer.json"))
-        except Exception as err:  # tokenizers raises its own untyped Exception
-            reason = f"is not a tokenizers file: {err}"
-            raise ModelConfigError(str(path / "tokenizer.json"), reason) from err
-    try:
-        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            path, local_files_only=True
-        )
-    except (ValueError, TypeError, KeyError, AttributeError, OSError, json.JSONDecodeError) as err:
-        reason = f"the tokenizer cannot be loaded: {type(err).__name__}: {err}"
-        raise ModelConfigError(str(path), reason) from err
-    return tokenizer
+    model_dir: Path
+    hf_config: PretrainedConfig
+    eos_token_ids: tuple[int, ...] | None
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> ModelConfig:
+        """Read and validate config.json and generation_config.json (``load_config``,
+        ``eos_token_ids``: their errors); no weight is read."""
+        path = Path(model_dir)
+        hf_config = load_config(path)
+        return cls(path, hf_config, eos_token_ids(path, hf_config))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def head_dim(self) -> int:
+        return head_dim(self.hf_config)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.hf_config.max_position_embeddings)
+
+    @property
+    def checkpoint_dtype(self) -> object:
+        """The dtype config.json declares (a name or a ``torch.dtype``), None if none."""
+        return getattr(self.hf_config, "dtype", None)
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Refuse a longer context than the model was built for, as vLLM does."""
+        max_pos = self.max_position_embeddings
+        if max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len={max_model_len} is larger than the model's "
+                f"max_position_embeddings={max_pos} (in {self.model_dir / CONFIG_FILE}): "
+                f"lower max_model_len to at most {max_pos}"
+            )

@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 import torch
 
-from paged_engine.layers.attention.base import AttentionMetadata
+from paged_engine.config import EngineConfig
+from paged_engine.layers.attention.base import AttentionBackend, AttentionMetadata
 
 __all__ = [
     "CudaGraphCapture",
@@ -46,7 +47,9 @@ __all__ = [
     "GraphCapture",
     "StaticDecodeBuffers",
     "bucket_for",
+    "capture_decode_graphs",
     "capture_sizes",
+    "graphs_problem",
 ]
 
 MAX_CAPTURED_BATCH = 512
@@ -224,3 +227,33 @@ class DecodeGraphs:
         self.graphs[bucket].replay()
         self.replays += 1
         return self.hidden[: meta.num_seqs]
+
+
+def graphs_problem(
+    config: EngineConfig, device: torch.device, backend: AttentionBackend, tp_size: int
+) -> str | None:
+    """Why decode steps run eagerly here, or None when they can be captured."""
+    if config.enforce_eager:
+        return "enforce_eager=True"
+    if device.type != "cuda":
+        return f"CUDA graphs need CUDA; this device is {device.type}"
+    if not getattr(backend, "supports_cuda_graphs", False):
+        return f"the {backend.name} attention backend reads host data in decode"
+    if tp_size > 1:
+        return "tensor parallelism: the ranks' collectives are not captured"
+    return None
+
+
+def capture_decode_graphs(
+    forward: Forward,
+    config: EngineConfig,
+    device: torch.device,
+    hidden_size: int,
+    dtype: torch.dtype,
+    capture: GraphCapture,
+) -> DecodeGraphs:
+    """Decode captured for every bucket up to ``max_num_seqs``, its block tables as wide as
+    a ``max_model_len`` sequence's (see the module docstring)."""
+    sizes = capture_sizes(config.max_num_seqs)
+    buffers = StaticDecodeBuffers.allocate(sizes[-1], config.max_blocks_per_seq(), device)
+    return DecodeGraphs(forward, buffers, sizes, hidden_size, dtype, capture)

@@ -13,24 +13,57 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from paged_engine.config import EngineConfig
 from paged_engine.engine.sequence import Sequence
-from paged_engine.layers.attention import Attention
+from paged_engine.layers.attention import Attention, AttentionBackend
 from paged_engine.layers.logprobs import sampled_logprobs
-from paged_engine.worker.cuda_graphs import capture_sizes
+from paged_engine.layers.parallel import TPGroup
+from paged_engine.layers.sampler import Sampler
+from paged_engine.models.qwen3 import Qwen3ForCausalLM
+from paged_engine.utils.model_config import ModelConfig
+from paged_engine.worker.cuda_graphs import capture_sizes, graphs_problem
 
-if TYPE_CHECKING:
-    from paged_engine.worker.model_runner import ModelRunner
-
-__all__ = ["StepMemory", "cuda_pool_budget"]
+__all__ = ["MeasuredRunner", "StepMemory", "cuda_pool_budget"]
 
 logger = logging.getLogger("paged_engine")
 
 
-def cuda_pool_budget(runner: ModelRunner) -> int:
+class MeasuredRunner(Protocol):
+    """What the measurement reads of the model runner, which calls it before its KV pool
+    exists: declared here so that the dependency points one way (``model_runner.py``
+    imports this module, never the reverse)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def model_config(self) -> ModelConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def tp(self) -> TPGroup: ...
+    @property
+    def backend(self) -> AttentionBackend: ...
+    @property
+    def model(self) -> Qwen3ForCausalLM: ...
+    @property
+    def sampler(self) -> Sampler: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    def _forward(self, seqs: list[Sequence], is_prefill: bool) -> object:
+        """The step's forward pass on this rank (``ModelRunner._forward``)."""
+        ...
+
+
+def cuda_pool_budget(runner: MeasuredRunner) -> int:
     """Bytes for the pool: the utilisation target minus everything else a step can hold
     at once (``StepMemory``): a warm-up prefill of ``max_num_batched_tokens`` tokens
     (weights and activations), the Triton decode's largest split-K workspace, the
@@ -56,7 +89,7 @@ def cuda_pool_budget(runner: ModelRunner) -> int:
     torch.cuda.synchronize(dev)
     forward_peak = torch.cuda.max_memory_allocated(dev)
     graphs = 0
-    if runner._graphs_problem() is None:
+    if graphs_problem(cfg, dev, runner.backend, runner.tp.size) is None:
         graphs = _peak_of(dev, lambda: runner._forward(_warmup_decode(runner), is_prefill=False))
     memory = StepMemory(
         forward_peak=forward_peak,
@@ -71,7 +104,7 @@ def cuda_pool_budget(runner: ModelRunner) -> int:
     return max(0, int(total * cfg.gpu_memory_utilization) - used_by_others - memory.need)
 
 
-def _decode_workspace_bytes(runner: ModelRunner) -> int:
+def _decode_workspace_bytes(runner: MeasuredRunner) -> int:
     """The Triton decode kernel's largest split-K partials over batches up to
     ``max_num_seqs`` (other backends allocate none of their own here)."""
     if runner.backend.name != "triton":
@@ -93,16 +126,15 @@ def _decode_workspace_bytes(runner: ModelRunner) -> int:
 
 
 @torch.inference_mode()
-def _sample_at_full_batch(runner: ModelRunner) -> None:
+def _sample_at_full_batch(runner: MeasuredRunner) -> None:
     """The sampling half of a step at its largest: ``max_num_seqs`` rows of logits,
     sampled with temperature, top-k, top-p, min-p, a repetition penalty and logprobs
     (the heaviest path), then their logprobs."""
     from paged_engine.sampling_params import SamplingParams
 
     n = runner.config.max_num_seqs
-    hidden = torch.zeros(
-        n, int(runner.hf_config.hidden_size), dtype=runner.dtype, device=runner.device
-    )
+    hidden_size = int(runner.model_config.hf_config.hidden_size)
+    hidden = torch.zeros(n, hidden_size, dtype=runner.dtype, device=runner.device)
     logits = runner.model.compute_logits(hidden)
     params = SamplingParams(
         temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, logprobs=5
@@ -145,7 +177,7 @@ def _peak_of(device: torch.device, fn: Callable[[], object]) -> int:
     return max(0, torch.cuda.max_memory_allocated(device) - before)
 
 
-def _warmup_decode(runner: ModelRunner) -> list[Sequence]:
+def _warmup_decode(runner: MeasuredRunner) -> list[Sequence]:
     """A decode batch of the largest captured size over one-token contexts (the cache is
     still empty, so the pass attends over each row alone: the activations' shape)."""
     bucket = capture_sizes(runner.config.max_num_seqs)[-1]

@@ -1,4 +1,5 @@
-"""The device and dtype a runner uses, from the config's names ("auto" included).
+"""The device and dtype a runner uses, from the config's names ("auto" included), and its
+share of the CPU's threads.
 
 Kept apart from the runner so that tensor-parallel workers and tests can resolve them
 without building one.
@@ -10,7 +11,10 @@ import logging
 
 import torch
 
-__all__ = ["resolve_device", "resolve_dtype", "resolve_tp_device"]
+from paged_engine.layers.parallel import TPGroup
+from paged_engine.platform import openmp_waits_passively, threads_per_rank
+
+__all__ = ["resolve_device", "resolve_dtype", "resolve_tp_device", "set_cpu_threads"]
 
 logger = logging.getLogger("paged_engine")
 
@@ -68,3 +72,19 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: object) -> 
     if checkpoint_dtype is torch.float16 or checkpoint_dtype is torch.bfloat16:
         return checkpoint_dtype
     return torch.bfloat16
+
+
+def set_cpu_threads(num_threads: int, device: torch.device, tp: TPGroup) -> None:
+    """torch's intra-op threads for this process (process-wide): ``num_threads``, except
+    that the ranks of a tensor-parallel group on the CPU share this machine's cores, so
+    each takes at most its share (``platform.threads_per_rank``)."""
+    ranks = tp.size if device.type == "cpu" else 1
+    threads = threads_per_rank(num_threads, ranks)
+    torch.set_num_threads(threads)
+    shared = f", rank {tp.rank} of {ranks} sharing this CPU ({num_threads} asked)"
+    logger.info(
+        "torch CPU threads: %d%s; OpenMP waits %s",
+        threads,
+        shared if ranks > 1 else "",
+        "passively" if openmp_waits_passively() else "actively: spins",
+    )

@@ -6,7 +6,7 @@ sequence carries its token ids; a decoding one only its counters, ``block_table`
 Two transports with one interface, ``send(message)`` on rank 0 and ``receive()`` on the
 workers:
 
-* ``ShmChannel`` (the default, the seed's): the pickle goes into a shared-memory segment
+* ``ShmChannel`` (the default): the pickle goes into a shared-memory segment
   and one semaphore per worker (``multiprocessing.Semaphore(0)``, released once per
   message) says a step is there. Not a ``multiprocessing.Event``: its ``set()`` waits for
   every sleeping waiter to acknowledge, so a worker killed while it waits would hang
@@ -17,8 +17,8 @@ workers:
   joins only after it has read step ``k``. The segment starts at 1 MiB (nano-vllm's size)
   and is replaced by a larger one when a message does not fit (the old segment then
   carries a ``_Moved`` note).
-* ``BroadcastChannel``: ``torch.distributed.broadcast_object_list``, the alternative the
-  issue asks to measure. An idle worker waits inside a collective, so it is bound by the
+* ``BroadcastChannel``: ``torch.distributed.broadcast_object_list``, the alternative it is
+  measured against. An idle worker waits inside a collective, so it is bound by the
   process group's timeout (``distributed.collective_timeout_s``, a minute by default):
   an engine left idle longer loses its workers. A benchmark alternative; ``LLM`` uses
   the shared memory.
