@@ -44,8 +44,9 @@ from tests.tp_support import CONFIG, bounded
 DEFAULTS = SamplingParams()
 FIELDS = [f for f in dataclasses.fields(SamplingParams)]
 WORKER_FIELDS = ("prompt_logprobs",)
-"""Written out, not read from the code: what ``ModelRunner.prepare`` and ``_forward``
-read of a sequence's params (grep ``sampling_params`` in worker/model_runner.py)."""
+"""Written out, not read from the code: what a worker's forward pass reads of a sequence's
+params (``BatchBuilder.build`` and ``step_logits``: grep ``sampling_params`` in
+worker/model_inputs.py and worker/sampling_step.py; ``step_results`` is rank 0's)."""
 
 
 def _first_other_member(default: Enum) -> Enum:

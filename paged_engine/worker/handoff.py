@@ -48,8 +48,8 @@ WAIT_POLL_S = 1.0
 
 
 WORKER_FIELDS = ("prompt_logprobs",)
-"""The ``SamplingParams`` fields a worker's forward pass reads (``ModelRunner.prepare``
-and ``_forward``: which prompt rows become logits, and how many logprobs each gets).
+"""The ``SamplingParams`` fields a worker's forward pass reads (``BatchBuilder.build`` and
+``step_logits``: which prompt rows become logits, and how many logprobs each gets).
 Every other field is rank 0's alone: it samples, stops and detokenizes."""
 _DEFAULTS = SamplingParams()
 

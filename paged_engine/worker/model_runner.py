@@ -80,6 +80,9 @@ class StepWorkers(Protocol):
 
 
 class ModelRunner:
+    """One rank's model, KV pool and sampler: what the engine calls ``run`` on each step
+    (``engine.llm_engine.ModelRunner`` is its interface there)."""
+
     def __init__(
         self,
         model: ModelConfig | str | Path,
@@ -93,9 +96,9 @@ class ModelRunner:
         ``eos_token_ids`` are the ids the engine stops at (``min_tokens`` masks them).
 
         Everything that can be refused is refused before a weight is read or the model
-        or pool allocated: ``max_model_len`` against the model's
-        ``max_position_embeddings``, the device, the attention backend, the pool size,
-        then the checkpoint's files and tensors (by the loader). Only a pool sized from
+        or pool allocated: the device, ``max_model_len`` against the model's
+        ``max_position_embeddings``, the attention backend, the pool size, then the
+        checkpoint's files and tensors (by the loader). Only a pool sized from
         CUDA memory is checked after the weights load: its budget is what a warm-up pass
         of the loaded model leaves.
 
@@ -148,7 +151,7 @@ class ModelRunner:
         # any int seeds the engine: s and s + 2**64 are the same seed
         self.rng = torch.Generator(device=self.device).manual_seed(config.seed % SEED_MODULUS)
         self.kv_cache = torch.empty(0)  # the CUDA warm-up pass runs before the pool exists
-        self.decode_graphs: DecodeGraphs | None = None  # nor are there graphs yet
+        self.decode_graphs: DecodeGraphs | None = None  # and runs eagerly
         if measured_pool:
             self.num_kvcache_blocks = self._agreed_pool_size()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
