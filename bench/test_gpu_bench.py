@@ -171,10 +171,8 @@ def flash_ms() -> Iterator[dict[int, float]]:
 
 def _triton_decode(context: int, block_size: int) -> tuple[float, int]:
     """(median ms, bytes moved) of the Triton decode kernel; the problem is freed on return."""
-    from paged_engine.kernels.paged_decode_attention import (
-        paged_decode_attention,
-        paged_decode_attention_ref,
-    )
+    from paged_engine.kernels.paged_attention_ref import paged_decode_attention_ref
+    from paged_engine.kernels.paged_decode_attention import paged_decode_attention
 
     p = paged_problem(context, block_size)
     scale = HEAD_DIM**-0.5

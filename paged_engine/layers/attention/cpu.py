@@ -73,7 +73,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(block_size, dtype, shared_prefix_min_tokens=None)
         self.bf16_variant = bf16_variant
         self._checks = StepMemo()
-        self._decode = self._decode_checked_per_step  # an attribute: tests count its calls
 
     def _decode_checked_per_step(
         self,
@@ -114,5 +113,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and geometry_problem(query.shape[1], k_cache.shape[2], query.shape[2], query.dtype)
             is None
         ):
-            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return self._decode_checked_per_step(
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+            )
         return super().attend(query, key, value, k_cache, v_cache, meta, scale)
