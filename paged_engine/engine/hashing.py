@@ -181,8 +181,3 @@ class BlockHasher:
         """R4s: block 0's prefix: None without a salt, else the salt block's hash."""
         salt = seq.cache_salt
         return None if salt is None else self._block_hash(salt_block(salt), None)
-
-    # The scheduler's names for the two (engine/scheduler.py's allocator_chain), until it
-    # calls them by their public names.
-    _block_hashes = hash_chain
-    _packed_blocks = packed_blocks

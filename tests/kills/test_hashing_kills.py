@@ -45,7 +45,7 @@ def _outcome(f: Callable[..., Any], *args: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # A lookup over a sequence whose last block is one token short: kills
 # xǁBlockHasherǁ_packed_blocks__mutmut_26 (the slice loop's bound one too far: it packs the
-# partial block too, and struct refuses it).
+# partial block too, and struct refuses it; the packing is hash_chain's now).
 # --------------------------------------------------------------------------------------------
 
 
