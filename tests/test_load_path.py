@@ -55,6 +55,8 @@ def test_llm_parses_config_json_once(tiny_model_dir: Path, config_reads: list[st
     llm = LLM(tiny_model_dir, **SMALL)
     assert config_reads == ["json", "transformers"]
     assert llm.model_runner.model_config.model_dir == tiny_model_dir
+    # min_tokens masks the ids the engine stops at: the runner has them from construction
+    assert llm.model_runner.eos_token_ids == llm.engine.eos_token_ids != ()
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert config_reads == ["json", "transformers"]  # nor later
@@ -99,6 +101,7 @@ def test_tp_workers_build_from_rank_0s_config(
     monkeypatch.setattr(tp_worker, "worker_main", tp_mutants.config_unreadable_worker)
     with LLM(tiny_model_dir, tensor_parallel_size=2, **CONFIG) as llm:
         pids = llm.model_runner.workers.pids  # type: ignore[union-attr]
+        assert llm.model_runner.eos_token_ids == llm.engine.eos_token_ids != ()
         assert bounded(lambda: tokens_of(llm, prompts)) == want
     assert_gone(pids)
 
