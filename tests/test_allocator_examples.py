@@ -1,4 +1,4 @@
-"""Hand-written allocator cases: the seed's worked examples, R4's exact bytes, the hash
+"""Hand-written allocator cases: hand-worked examples, R4's exact bytes, the hash
 cache, R13's reset, and every misuse refused with state left exactly as it was. Each case
 runs on both the spec and the engine."""
 
@@ -47,7 +47,7 @@ def prefill(bm: Any, seq: Any) -> int:
     return hits
 
 
-# ---- the seed's worked examples (§5.3) ------------------------------------------------------
+# ---- hand-worked examples ------------------------------------------------------
 
 
 def test_600_token_shared_prefix_at_block_size_256_reuses_512(impl: tuple[Any, Any]) -> None:
@@ -78,7 +78,7 @@ def test_identical_512_token_prompt_reuses_only_256(impl: tuple[Any, Any]) -> No
 
 def test_12_token_figure_block_size_4(impl: tuple[Any, Any]) -> None:
     """L0 hits block 1 in use, L1 revives block 3 from the free queue, the last block comes
-    fresh from the queue head, block 6 (the seed's figure, rebuilt step by step)."""
+    fresh from the queue head, block 6 (a hand-worked figure, rebuilt step by step)."""
     bm_cls, make = impl
     bm = bm_cls(8, 4)
     L0, L1, L2 = [10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]
@@ -132,7 +132,7 @@ def test_stale_registration_is_not_deleted_for_another_block(impl: tuple[Any, An
 # ---- R4: the hash chain, bit for bit ---------------------------------------------------------
 
 
-def _seed_formula(tokens: list[int], prefix: int | None) -> int:
+def _r4_formula(tokens: list[int], prefix: int | None) -> int:
     h = xxhash.xxh64()
     if prefix is not None:
         h.update(prefix.to_bytes(8, "little"))
@@ -142,8 +142,8 @@ def _seed_formula(tokens: list[int], prefix: int | None) -> int:
 
 @pytest.mark.parametrize("tokens", [[0], [1, 2, 3, 4], list(range(256)), [2**40, 7, 2**63 - 1]])
 @pytest.mark.parametrize("prefix", [None, 0, 12345, 2**64 - 1])
-def test_hash_is_bit_identical_to_the_seed_formula(tokens: list[int], prefix: int | None) -> None:
-    expected = _seed_formula(tokens, prefix)
+def test_hash_is_bit_identical_to_the_r4_formula(tokens: list[int], prefix: int | None) -> None:
+    expected = _r4_formula(tokens, prefix)
     assert BlockManager.compute_hash(tokens, prefix) == expected
     assert SpecBlockManager.compute_hash(tokens, prefix) == expected
     assert xxh64_block_hash(tokens, prefix) == expected
