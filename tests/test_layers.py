@@ -29,8 +29,9 @@ from paged_engine.layers.context import forward_context
 from paged_engine.layers.layernorm import RMSNorm
 from paged_engine.layers.rotary import RopeSpec, RotaryEmbedding, rope_spec_from_config
 from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3DecoderLayer, Qwen3ForCausalLM
-from paged_engine.utils.loader import load_model, load_tokenizer
+from paged_engine.utils.loader import load_model
 from paged_engine.utils.tiny_model import make_tiny_model
+from paged_engine.utils.tokenizer import load_tokenizer
 
 CPU = torch.device("cpu")
 TIGHT = {"atol": 1e-5, "rtol": 1e-5}

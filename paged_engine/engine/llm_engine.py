@@ -78,10 +78,12 @@ class LLMEngine:
         for e in eos_ids:
             if not isinstance(e, int) or isinstance(e, bool) or e < 0:
                 raise ValueError(f"eos_token_id must hold ints >= 0, got {eos_token_id!r}")
-        # The model runner fills in the per-device defaults (``ModelRunner.config``); a
-        # config it has not seen gets the runner's device's, the CPU's without one.
-        device = getattr(model_runner, "device", None)
-        config = config.for_device(str(getattr(device, "type", "cpu")))
+        # The model runner fills in the per-device defaults once (``ModelRunner.config``,
+        # which ``LLM`` passes here); only a config no runner has seen (a test's fake
+        # runner) gets them here: the runner's device's, the CPU's without one.
+        if config.max_num_batched_tokens is None:
+            device = getattr(model_runner, "device", None)
+            config = config.for_device(str(getattr(device, "type", "cpu")))
         budget = config.max_num_batched_tokens
         assert budget is not None  # for_device filled it in
         self.config = config

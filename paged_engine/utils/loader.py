@@ -41,7 +41,6 @@ from paged_engine.layers.parallel import SINGLE, TPGroup
 from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3ForCausalLM
 from paged_engine.utils.json_file import read_json_object
 from paged_engine.utils.model_config import CONFIG_FILE, load_config
-from paged_engine.utils.tokenizer import load_tokenizer  # re-exported: the directory's files
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -290,4 +289,4 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
             finish()
 
 
-__all__ = ["load_model", "load_tokenizer", "process_weights_after_loading"]
+__all__ = ["load_model", "process_weights_after_loading"]

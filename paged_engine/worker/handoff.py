@@ -16,7 +16,7 @@ workers:
   rank 0 writes step ``k + 1`` only after step ``k``'s collectives, which every worker
   joins only after it has read step ``k``. The segment starts at 1 MiB (nano-vllm's size)
   and is replaced by a larger one when a message does not fit (the old segment then
-  carries a ``_Moved`` note).
+  carries a ``SegmentMoved`` note).
 * ``BroadcastChannel``: ``torch.distributed.broadcast_object_list``, the alternative it is
   measured against. An idle worker waits inside a collective, so it is bound by the
   process group's timeout (``distributed.collective_timeout_s``, a minute by default):
@@ -97,13 +97,14 @@ Message = StepMessage | None
 
 
 @dataclass(frozen=True, slots=True)
-class _Moved:
-    """The message is in the (larger) segment ``name``."""
+class SegmentMoved:
+    """Written in place of a step message too large for the current segment: the message
+    is in the new, larger segment ``name``, which the worker opens and reads from then on."""
 
     name: str
 
 
-def encode(message: Message | _Moved) -> bytes:
+def encode(message: Message | SegmentMoved) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -127,7 +128,7 @@ class ShmChannel:
         if _HEADER + len(data) > target.size:
             bigger = SharedMemory(create=True, size=2 * (_HEADER + len(data)))
             _write(bigger, data)
-            data = encode(_Moved(bigger.name))
+            data = encode(SegmentMoved(bigger.name))
             self._retired.append(self.segment)
             self.segment = bigger
         _write(target, data)
@@ -170,7 +171,7 @@ class ShmReader:
             if not self.parent_alive():
                 return None
         message = self._read(self.segment)
-        if isinstance(message, _Moved):
+        if isinstance(message, SegmentMoved):
             self.segment.close()
             self.segment = SharedMemory(name=message.name)
             message = self._read(self.segment)
