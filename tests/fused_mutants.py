@@ -1,20 +1,17 @@
 """Deliberately broken fused small ops (``csrc/fused_ops.c``), each named after its bug.
 
 The product carries no switch for any of them: each is a patch file,
-``tests/fused_mutants/<name>.patch``, applied to a temporary copy of csrc/ when the mutant is
-first used (tests/kernel_mutants.py's ``patched_copy``: a stale patch fails that mutant's
-test alone, naming its hunk). The copy is compiled as a module of its own with setup.py's
-flags, at -O1 and for the baseline level alone (``BASELINE_ONLY``), so that each builds
-quickly, and bound in the launcher (``fused_ops_cpu._COMPILED``) for the duration of
-a block. tests/test_fused_ops.py requires each to fail the same comparison the real kernel
-passes.
+``tests/fused_mutants/<name>.patch``, applied to a temporary copy of csrc/ when the mutant
+is first used (tests/patch_mutants.py: a stale patch fails that mutant's test alone, naming
+its hunk). The copy is compiled as a module of its own with setup.py's flags, at -O1 and
+for the baseline level alone (``BASELINE_ONLY``), so that each builds quickly, and bound
+in the launcher (``fused_ops_cpu._COMPILED``) for the duration of a block.
+tests/test_fused_ops.py requires each to fail the same comparison the real kernel passes.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +22,8 @@ import pytest
 
 from paged_engine.kernels import fused_ops_cpu
 from paged_engine.kernels.cpu_library import CompiledModule
-from tests.kernel_mutants import ROOT, patched_copy, setup_extension
+from tests.kernel_mutants import compile_extension, setup_extension
+from tests.patch_mutants import ROOT, patched_copy, read_patch
 
 PATCH_DIR = ROOT / "tests" / "fused_mutants"
 """One ``<name>.patch`` per mutant below (tests/test_cpu_kernel.py checks both ways)."""
@@ -39,10 +37,9 @@ enough to catch a mutant."""
 @functools.cache
 def build_fused_module(name: str, patch: Path) -> ModuleType:
     """csrc/fused_ops.c with ``patch`` applied, built alone as the ``_fused_ops`` module."""
-    from setuptools import Distribution, Extension
-    from setuptools.command.build_ext import build_ext
+    from setuptools import Extension
 
-    work = patched_copy(name, patch, copy=("csrc",))
+    work = patched_copy(name, read_patch(name, patch), ("csrc",))
     real = setup_extension()
     ext = Extension(
         "_fused_ops",
@@ -52,18 +49,7 @@ def build_fused_module(name: str, patch: Path) -> ModuleType:
         libraries=list(real.libraries),
         include_dirs=[str(work / "csrc")],  # isa.h
     )
-    cmd = build_ext(Distribution({"name": f"fused-mutant-{name}", "ext_modules": [ext]}))
-    cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
-    cmd.ensure_finalized()
-    cmd.run()
-    spec = importlib.util.spec_from_file_location(
-        f"_fused_mutant_{name}._fused_ops", cmd.get_ext_fullpath(ext.name)
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    shutil.rmtree(work / "tmp", ignore_errors=True)
-    return module
+    return compile_extension(name, ext, work)
 
 
 @dataclass(frozen=True)

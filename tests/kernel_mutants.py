@@ -5,10 +5,8 @@ The product carries no switch for any of them. Each kernel mutant is a patch fil
 is applied to a temporary copy of the source only when the mutant is first used: in its own
 test, never at import. So an edit of the product can make a mutant stale, but then only that
 mutant's tests fail, with ``StaleMutant`` naming it, the file and the hunk that no longer
-applies; the test files still collect. To write or refresh one, edit the source in the
-working tree, ``git diff -U2 -- <file> > tests/kernel_mutants/<name>.patch``, and undo the
-edit (a hunk applies wherever its lines are found, nearest its stated line: edits elsewhere
-in the file leave it applying).
+applies; the test files still collect. tests/patch_mutants.py applies the patches and says
+how to write or refresh one.
 
 * Triton kernels: the patched copy of the kernel's module is imported as a module of its
   own (compiled, or interpreted under ``TRITON_INTERPRET=1``, like the real one) and its
@@ -17,26 +15,23 @@ in the file leave it applying).
 * the compiled CPU decode kernel: a copy of ``csrc/`` with the patch applied, compiled in a
   temporary directory with exactly the ``Extension`` that ``setup.py`` declares (its
   ``setup()`` call is intercepted to read it), loaded as a module of its own and bound in the
-  launcher (``paged_decode_cpu._COMPILED``) for the block;
-* cascade decode attention: a rewrite of the step's ``CascadePlan`` (no patch file).
+  launcher (``paged_decode_cpu._COMPILED``) for the block.
 
 tests/test_kernels_prefill.py and tests/test_cpu_kernel.py require every mutant to disagree
 with its ``*_ref`` on some layout (proof that the layouts the tests draw can catch that class
-of bug); tests/test_attention_machine.py shows the oracle machine catching each of them;
-tests/fused_mutants.py does the same for the fused small ops.
+of bug); tests/test_attention_machine.py shows the oracle machine catching each of them
+(and tests/cascade_mutants.py's broken cascade plans); tests/fused_mutants.py does the
+same for the fused small ops.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import re
 import runpy
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -50,133 +45,10 @@ from paged_engine.kernels import paged_decode_cpu
 from paged_engine.kernels import paged_prefill_attention as prefill_module
 from paged_engine.kernels.cpu_library import CompiledModule
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
-from paged_engine.layers.attention.torch_backend import TorchAttentionBackend
-from paged_engine.layers.cascade import CascadePlan
+from tests.patch_mutants import ROOT, StaleMutant, import_copy, patched_copy, read_patch
 
-__all__ = [
-    "BF16_MUTANTS",
-    "CASCADE_MUTANTS",
-    "COMPILE_MUTANTS",
-    "CPU_MUTANTS",
-    "MUTANTS",
-    "PATCH_DIR",
-    "PREFILL_MUTANTS",
-    "THREAD_MUTANTS",
-    "CascadeMutant",
-    "CascadeMutantBackend",
-    "CpuKernelMutant",
-    "CpuMutantBackend",
-    "KernelMutant",
-    "StaleMutant",
-    "apply_patch",
-    "build_c_module",
-    "decode_module_bound",
-    "patched_copy",
-    "read_patch",
-    "setup_extension",
-]
-
-ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "tests" / "kernel_mutants"
 """One ``<name>.patch`` per mutant below (tests/test_cpu_kernel.py checks both ways)."""
-
-# --------------------------------------------------------------------------------------------
-# Patch files
-# --------------------------------------------------------------------------------------------
-
-
-class StaleMutant(Exception):
-    """A mutant's patch no longer applies to the source (or is missing). Not an
-    AssertionError: a mutant that cannot be built must never count as caught."""
-
-
-@dataclass(frozen=True)
-class Hunk:
-    header: str
-    old_start: int
-    """The 1-based line its old lines started at when the patch was made."""
-    old: list[str]
-    new: list[str]
-
-
-_HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-
-
-def read_patch(patch: Path) -> dict[str, list[Hunk]]:
-    """A unified diff's hunks per file (paths as in ``+++ b/<path>``). Lines before the
-    first file header are a comment."""
-    files: dict[str, list[Hunk]] = {}
-    lines = patch.read_text().splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("+++ "):
-            path = line[4:].split("\t")[0].removeprefix("b/")
-            files[path] = []
-        elif (m := _HUNK.match(line)) is not None and files:
-            n_old, n_new = int(m[2] or 1), int(m[4] or 1)
-            old: list[str] = []
-            new: list[str] = []
-            while len(old) < n_old or len(new) < n_new:
-                i += 1
-                body = lines[i] if i < len(lines) else "?"
-                tag, text = (body[:1] or " "), body[1:]  # an empty line: blank context
-                if tag in " -":
-                    old.append(text)
-                if tag in " +":
-                    new.append(text)
-                if tag not in " -+\\":
-                    raise StaleMutant(f"{patch.name}: malformed hunk {line!r}")
-            files[path].append(Hunk(line, int(m[1]), old, new))
-        i += 1
-    return files
-
-
-def apply_patch(name: str, patch: Path, tree: Path) -> None:
-    """Apply ``patch`` to the files under ``tree``: each hunk where its old lines are
-    found (exactly), nearest the line it names, after the hunk before it. StaleMutant,
-    naming the mutant, the file and the hunk, where one is not found."""
-    if not patch.is_file():
-        raise StaleMutant(f"mutant {name}: no patch file {patch}")
-    for path, hunks in read_patch(patch).items():
-        target = tree / path
-        lines = target.read_text().split("\n")
-        shift, floor = 0, 0  # where the file's lines now stand against the patch's
-        for k, hunk in enumerate(hunks, 1):
-            n = len(hunk.old)
-            found = [j for j in range(floor, len(lines) - n + 1) if lines[j : j + n] == hunk.old]
-            if not found:
-                raise StaleMutant(
-                    f"mutant {name}: hunk {k} of {len(hunks)} ({hunk.header}) of "
-                    f"{patch.name} no longer applies to {path}: these lines are not in it\n"
-                    + "\n".join(hunk.old)
-                    + "\nrefresh the patch (tests/kernel_mutants.py says how)"
-                )
-            want = hunk.old_start - 1 + shift
-            at = min(found, key=lambda j: abs(j - want))
-            lines[at : at + n] = hunk.new
-            shift = at - (hunk.old_start - 1) + len(hunk.new) - n
-            floor = at + len(hunk.new)
-        target.write_text("\n".join(lines))
-
-
-def patched_copy(name: str, patch: Path | None, copy: tuple[str, ...] = ()) -> Path:
-    """A temporary directory holding ``copy`` (paths relative to the repository) and every
-    file ``patch`` names, copied from the repository, with ``patch`` applied."""
-    work = Path(tempfile.mkdtemp(prefix=f"paged-engine-mutant-{name}-"))
-    named = list(read_patch(patch)) if patch is not None and patch.is_file() else []
-    for rel in (*copy, *named):
-        src, dst = ROOT / rel, work / rel
-        if dst.exists():
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst)
-        else:
-            shutil.copyfile(src, dst)
-    if patch is not None:
-        apply_patch(name, patch, work)
-    return work
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,16 +65,14 @@ _LAUNCHERS: dict[str, tuple[ModuleType, str]] = {
 @functools.cache
 def _build_kernel(kind: str, name: str) -> Any:
     """The ``kind`` kernel of the patched copy of its module, imported on its own."""
-    work = patched_copy(name, PATCH_DIR / f"{name}.patch")
-    (source,) = [p for p in work.rglob("*.py")]
-    spec = importlib.util.spec_from_file_location(f"_kernel_mutant_{name}", source)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # triton.jit reads the kernel's source from the copy
+    patch = read_patch(name, PATCH_DIR / f"{name}.patch")
+    path = patch.one_file()
+    # triton.jit reads the kernel's source from the copy
+    module = import_copy(f"_kernel_mutant_{name}", patched_copy(name, patch) / path)
     launcher, attr = _LAUNCHERS[kind]
     kernel = getattr(module, attr, None)
     if kernel is None or kernel is getattr(launcher, attr):
-        raise StaleMutant(f"mutant {name}: its patch does not define the {kind} kernel {attr}")
+        raise StaleMutant(name, path, None, f"defines no {kind} kernel {attr}")
     return kernel
 
 
@@ -280,72 +150,6 @@ COMPILE_MUTANTS: tuple[KernelMutant, ...] = (
 test_compile_kernels.py): the interpreter computes them right."""
 
 # --------------------------------------------------------------------------------------------
-# Cascade (shared-prefix) decode attention in the torch backend: bugs planted in the step's
-# plan, so the real ``cascade_decode`` runs on them (again no second copy of the maths).
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CascadeMutant:
-    """A broken ``CascadePlan``: ``mutate`` turns the real plan into the buggy one."""
-
-    name: str
-    mutate: Callable[[CascadePlan], CascadePlan]
-    bug: str
-
-
-def _swap_members(plan: CascadePlan) -> CascadePlan:
-    return replace(plan, member_slots=plan.member_slots.flip(0))
-
-
-def _unmask_rest(plan: CascadePlan) -> CascadePlan:
-    return replace(plan, rest_mask=torch.zeros_like(plan.rest_mask))
-
-
-def _drop_first_rest(plan: CascadePlan) -> CascadePlan:
-    # Each sequence's first non-shared position is masked out, as if the split were made
-    # one token too late.
-    mask = plan.rest_mask.clone()
-    mask[..., 0] = float("-inf")
-    last_real = (plan.rest_mask == 0).sum(-1).squeeze(-1) == 1
-    mask[last_real, :, 0] = 0  # a one-token rest keeps its token (no all-masked row)
-    return replace(plan, rest_mask=mask)
-
-
-CASCADE_MUTANTS: tuple[CascadeMutant, ...] = (
-    CascadeMutant(
-        "cascade_members_swapped",
-        _swap_members,
-        "members' rows are paired with another member's prefix attention in the merge",
-    ),
-    CascadeMutant(
-        "cascade_rest_padding_unmasked",
-        _unmask_rest,
-        "the padding of shorter rests (copies of their first position) is attended",
-    ),
-    CascadeMutant(
-        "cascade_rest_first_position_dropped",
-        _drop_first_rest,
-        "the first position after the shared prefix is in neither part",
-    ),
-)
-
-
-class CascadeMutantBackend(TorchAttentionBackend):
-    """The torch backend, cascading every shared prefix, with ``mutant``'s plan bug."""
-
-    def __init__(self, mutant: CascadeMutant, block_size: int, dtype: torch.dtype) -> None:
-        super().__init__(block_size, dtype, shared_prefix_min_tokens=0)
-        self.mutant = mutant
-
-    def _decode_plan(  # type: ignore[no-untyped-def]
-        self, meta, block_size, dtype, num_kv_heads
-    ):
-        plan = super()._decode_plan(meta, block_size, dtype, num_kv_heads)
-        return self.mutant.mutate(plan) if isinstance(plan, CascadePlan) else plan
-
-
-# --------------------------------------------------------------------------------------------
 # The compiled CPU decode kernel (csrc/): the same bug classes, and the threads' driver
 # --------------------------------------------------------------------------------------------
 
@@ -360,6 +164,23 @@ def setup_extension() -> Any:
     return ext
 
 
+def compile_extension(name: str, ext: Any, work: Path) -> ModuleType:
+    """``ext`` (a setuptools ``Extension`` of sources under ``work``) compiled in ``work``
+    and loaded as a module of its own, named after mutant ``name``."""
+    from setuptools import Distribution
+    from setuptools.command.build_ext import build_ext
+
+    cmd = build_ext(Distribution({"name": f"mutant-{name}", "ext_modules": [ext]}))
+    cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
+    cmd.ensure_finalized()
+    cmd.run()
+    # The init symbol is PyInit_<the extension's last name>: keep it in the module name.
+    last = ext.name.rpartition(".")[2]
+    module = import_copy(f"_mutant_{name}.{last}", Path(cmd.get_ext_fullpath(ext.name)))
+    shutil.rmtree(work / "tmp", ignore_errors=True)
+    return module
+
+
 @functools.cache
 def build_c_module(
     name: str, patch: Path | None = None, extra_args: tuple[str, ...] = ()
@@ -367,10 +188,9 @@ def build_c_module(
     """Copy ``csrc/`` into a temporary directory, apply ``patch`` there (none: the sources
     as they are), compile the decode kernel's sources with setup.py's flags (then
     ``extra_args``), and load the result as a module of its own."""
-    from setuptools import Distribution, Extension
-    from setuptools.command.build_ext import build_ext
+    from setuptools import Extension
 
-    work = patched_copy(name, patch, copy=("csrc",))
+    work = patched_copy(name, read_patch(name, patch) if patch is not None else None, ("csrc",))
     real = setup_extension()
 
     def moved(path: str) -> str:
@@ -389,19 +209,7 @@ def build_c_module(
         define_macros=list(real.define_macros),
         # optional no more: a mutant that fails to build must fail its test
     )
-    cmd = build_ext(Distribution({"name": f"mutant-{name}", "ext_modules": [ext]}))
-    cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
-    cmd.ensure_finalized()
-    cmd.run()
-    # The init symbol is PyInit__cpu_kernels: keep that last component in the module name.
-    spec = importlib.util.spec_from_file_location(
-        f"_mutant_{name}._cpu_kernels", cmd.get_ext_fullpath(ext.name)
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    shutil.rmtree(work / "tmp", ignore_errors=True)
-    return module
+    return compile_extension(name, ext, work)
 
 
 @contextmanager

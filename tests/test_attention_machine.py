@@ -49,14 +49,12 @@ from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from paged_engine.layers.attention.triton_backend import TritonAttentionBackend
 from paged_engine.layers.cascade import CascadePlan
 from tests.attention_machine import BackendFactory, Geometry, Lane, MachineConfig, make_machine
+from tests.cascade_mutants import CASCADE_MUTANTS, CascadeMutant, CascadeMutantBackend
 from tests.kernel_mutants import (
     BF16_MUTANTS,
-    CASCADE_MUTANTS,
     CPU_MUTANTS,
     MUTANTS,
     PREFILL_MUTANTS,
-    CascadeMutant,
-    CascadeMutantBackend,
     CpuKernelMutant,
     CpuMutantBackend,
     KernelMutant,

@@ -32,7 +32,8 @@ ck = importlib.util.module_from_spec(spec)
 sys.modules["compile_kernels"] = ck
 spec.loader.exec_module(ck)
 from paged_engine.kernels import prefill_plan as prefill
-from tests.kernel_mutants import COMPILE_MUTANTS, StaleMutant
+from tests.kernel_mutants import COMPILE_MUTANTS
+from tests.patch_mutants import StaleMutant
 
 out = {}
 for name, sc in json.loads(sys.argv[2]).items():

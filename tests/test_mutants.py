@@ -18,6 +18,7 @@ from paged_engine.engine.block_manager import BlockManager
 from paged_engine.engine.sequence import Sequence
 from tests import allocator_mutants as mutants
 from tests.allocator_machine import make_machine
+from tests.patch_mutants import StaleMutant, read_patch
 
 # (mutant, machine options): the options give the machine the conditions under which the
 # rule matters (block size 1 for R7, a colliding hash for R10, xxh64 for R4's mutant,
@@ -115,53 +116,11 @@ def test_every_patch_mutant_is_hunted() -> None:
     assert patches == (set(CASES) | set(HUNTED_ELSEWHERE)) - set(mutants.SUBCLASS_MUTANTS)
     assert not patches & set(mutants.SUBCLASS_MUTANTS)
     for name in patches:  # each says what it breaks, starting with its name and rule
-        patch = mutants.parse_patch(name, (mutants.PATCHES / f"{name}.diff").read_text())
+        patch = read_patch(name, mutants.PATCHES / f"{name}.diff")
         assert patch.description.startswith(f"{name}: R"), name
 
 
-# ---- a stale patch fails loudly, naming itself and its hunk -----------------------------------
-
-SOURCE = "a = 1\nb = 2\nc = 3\n"
-PATCH = """Example: one line changed.
-
---- a/x.py
-+++ b/x.py
-@@ -1,3 +1,3 @@
- a = 1
--b = 2
-+b = 20
- c = 3
-"""
-
-
-def test_a_patch_applies_wherever_its_lines_stand() -> None:
-    patch = mutants.parse_patch("Example", PATCH)
-    assert patch.description == "Example: one line changed."
-    (hunk,) = patch.files["x.py"]
-    assert mutants.apply_hunks("Example", "x.py", SOURCE, [hunk]) == "a = 1\nb = 20\nc = 3\n"
-    moved = "# a new first line\n" + SOURCE
-    assert mutants.apply_hunks("Example", "x.py", moved, [hunk]).endswith("b = 20\nc = 3\n")
-
-
-@pytest.mark.parametrize(
-    ("source", "times"), [("a = 1\nb = 3\nc = 3\n", 0), (SOURCE + SOURCE, 2)], ids=["gone", "twice"]
-)
-def test_a_patch_whose_lines_do_not_match_once_names_the_mutant_and_hunk(
-    source: str, times: int
-) -> None:
-    (hunk,) = mutants.parse_patch("Example", PATCH).files["x.py"]
-    with pytest.raises(mutants.StaleMutant) as caught:
-        mutants.apply_hunks("Example", "x.py", source, [hunk])
-    message = str(caught.value)
-    assert message.startswith(
-        f"mutant Example: hunk 1 of x.py (@@ -1,3 +1,3 @@) matches the source {times} times"
-    )
-    assert "    b = 2" in message
-
-
-def test_a_hunk_whose_header_disagrees_with_its_lines_is_refused() -> None:
-    with pytest.raises(mutants.StaleMutant, match="mutant Example: hunk '@@ -1,4 \\+1,3 @@'"):
-        mutants.parse_patch("Example", PATCH.replace("@@ -1,3", "@@ -1,4"))
+# ---- a stale patch fails loudly, naming itself (the applier: tests/test_patch_mutants.py) -----
 
 
 def test_a_stale_patch_mutant_fails_naming_itself_and_leaves_the_modules_alone(
@@ -180,12 +139,26 @@ def test_a_stale_patch_mutant_fails_naming_itself_and_leaves_the_modules_alone(
     )
     monkeypatch.setattr(mutants, "PATCHES", patches)
     before = {m: sys.modules[m] for m in mutants.ALLOCATOR_MODULES}
-    with pytest.raises(mutants.StaleMutant) as caught:
+    with pytest.raises(StaleMutant) as caught:
         mutants.allocator("R0Stale", tmp_path / "build")
     assert str(caught.value).startswith(
-        "mutant R0Stale: hunk 1 of paged_engine/engine/block_pool.py (@@ -1,2 +1,2 @@) "
-        "matches the source 0 times, not once"
+        "mutant R0Stale: paged_engine/engine/block_pool.py, hunk @@ -1,2 +1,2 @@: "
+        "its lines occur 0 times, not once"
     )
+    assert {m: sys.modules[m] for m in mutants.ALLOCATOR_MODULES} == before
+    # A patch of a module outside the allocator's is refused, naming it.
+    (patches / "R0Outside.diff").write_text(
+        "R0Outside: a patch of the scheduler.\n\n"
+        "--- a/paged_engine/engine/scheduler.py\n+++ b/paged_engine/engine/scheduler.py\n"
+        "@@ -1,1 +1,1 @@\n-from __future__ import annotations\n+from __future__ import division\n"
+    )
+    with pytest.raises(StaleMutant) as outside:
+        mutants.allocator("R0Outside", tmp_path / "outside")
+    assert (outside.value.mutant, outside.value.file) == (
+        "R0Outside",
+        "paged_engine/engine/scheduler.py",
+    )
+    assert outside.value.reason == "outside the allocator's modules"
     assert {m: sys.modules[m] for m in mutants.ALLOCATOR_MODULES} == before
 
 

@@ -18,7 +18,7 @@ from spec.scheduler import Scheduler as SpecScheduler
 from spec.scheduler import SpecRequest
 from tests.lockstep import CheckedBlockManager, ContractBreach
 from tests.scheduler_machine import make_machine
-from tests.scheduler_mutants import DeferByPosition
+from tests.scheduler_subclass_mutants import DeferByPosition
 
 TestSchedulerMachine = make_machine().TestCase
 

@@ -9,8 +9,8 @@ sees what reaches the outputs. The real code passes both hunts at the same budge
 
 Each mutant is built inside its own test, before the hunt: a patch that no longer
 applies fails that one test with ``StaleMutant`` (never an AssertionError, so never
-taken for a catch), naming the mutant and the hunk. The patch machinery's own refusals
-are shown at the end, on patches written here.
+taken for a catch), naming the mutant and the hunk. ``from_patch``'s own refusals are
+shown at the end, on patches written here (the applier's: tests/test_patch_mutants.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from tests import engine_machine, scheduler_machine
 from tests import scheduler_mutants as m
+from tests.patch_mutants import StaleMutant
+from tests.scheduler_subclass_mutants import SUBCLASSES, ChunkFromPrompt
 from tests.test_engine import (
     check_abort_forgets_the_request,
     check_liveness_with_the_smallest_legal_pool,
@@ -90,7 +92,7 @@ def test_a_prefill_chunk_sized_from_the_prompt_fails_the_liveness_test() -> None
     """It recomputes none of a preempted sequence's generated tokens, so the sequence
     never finishes its prefill: before the step guard, the liveness test hung."""
     with pytest.raises(AssertionError):
-        check_liveness_with_the_smallest_legal_pool(m.ChunkFromPrompt)
+        check_liveness_with_the_smallest_legal_pool(ChunkFromPrompt)
 
 
 # ---- the mutants' bookkeeping --------------------------------------------------------------
@@ -98,17 +100,17 @@ def test_a_prefill_chunk_sized_from_the_prompt_fails_the_liveness_test() -> None
 
 def test_every_mutant_is_hunted_once_and_every_patch_file_is_a_mutant() -> None:
     names = m.SCHEDULER_MUTANTS
-    assert len(names) == len(set(names)) == len(m.SUBCLASSES) + len(m.PATCHES)
-    assert set(names) == set(m.SUBCLASSES) | set(m.PATCHES)
-    assert set(m.ENGINE_HUNTED) <= set(m.SUBCLASSES)
+    assert len(names) == len(set(names)) == len(SUBCLASSES) + len(m.PATCHES)
+    assert set(names) == set(SUBCLASSES) | set(m.PATCHES)
+    assert set(m.ENGINE_HUNTED) <= set(SUBCLASSES)
     assert sorted(p.stem for p in m.PATCH_DIR.glob("*.patch")) == sorted(m.PATCHES)
 
 
-@pytest.mark.parametrize("name", sorted(m.SUBCLASSES))
+@pytest.mark.parametrize("name", sorted(SUBCLASSES))
 def test_a_subclass_mutant_overrides_only_what_the_scheduler_has(name: str) -> None:
     """A method the scheduler renamed would leave its mutant overriding nothing: named
     here, at once, rather than as a hunt that finds no defect."""
-    mutant = m.SUBCLASSES[name]
+    mutant = SUBCLASSES[name]
     overridden = {k for k, v in vars(mutant).items() if callable(v) and not k.startswith("__")}
     assert overridden, f"{name} overrides nothing"
     missing = sorted(k for k in overridden if not callable(getattr(m.Scheduler, k, None)))
@@ -124,7 +126,7 @@ def test_a_patch_mutant_is_the_scheduler_with_its_part_patched(name: str) -> Non
     assert mutant.__doc__ and mutant.__doc__.startswith(name)  # the patch's description
 
 
-# ---- the patch machinery refuses, by name, a patch that does not apply --------------------
+# ---- from_patch refuses, by name, a patch that does not build a mutant ---------------------
 
 HEADER = "--- a/paged_engine/engine/preemption.py\n+++ b/paged_engine/engine/preemption.py\n"
 HUNK = (
@@ -148,40 +150,28 @@ def test_a_well_formed_patch_builds_a_mutant(tmp_path: Path) -> None:
     assert mutant._schedule_decode is not m.Scheduler._schedule_decode
 
 
-def test_a_hunk_that_no_longer_applies_names_the_mutant_and_the_hunk(tmp_path: Path) -> None:
+def test_a_stale_patch_fails_its_build_naming_the_mutant_and_the_hunk(tmp_path: Path) -> None:
+    """The same hunk, its context reworded: the applier (tests/test_patch_mutants.py)
+    refuses it, and ``from_patch`` lets that through, never an AssertionError."""
     stale = HUNK.replace("the most recently admitted", "the newest")
-    second = (
-        "@@ -1,1 +1,1 @@\n-from __future__ import annotations\n+from __future__ import division\n"
-    )
-    text = "Stale (a test's): made up.\n\n" + HEADER + second + stale
-    with pytest.raises(m.StaleMutant) as refused:
+    text = "Stale (a test's): made up.\n\n" + HEADER + stale
+    with pytest.raises(StaleMutant) as refused:
         m.from_patch("Stale", _patch(tmp_path, "Stale", text))
-    message = str(refused.value)
-    assert message.startswith("mutant Stale: hunk #2 (@@ -35,3 +35,3 @@) of Stale.patch")
-    assert "no longer applies to paged_engine/engine/preemption.py" in message
-    assert "victim = running[-1]  # S7: the newest" in message
-    assert not isinstance(refused.value, AssertionError)
-
-
-def test_a_hunk_found_twice_is_refused_as_ambiguous(tmp_path: Path) -> None:
-    source = (m.ROOT / "paged_engine/engine/scheduler.py").read_text(encoding="utf-8")
-    lines = source.splitlines(keepends=True)
-    twice = next(line for line in lines if line.strip() and lines.count(line) == 2)
-    text = (
-        HEADER.replace("preemption", "scheduler")
-        + f"@@ -1,1 +1,1 @@\n-{twice}+{twice.rstrip()}  # changed\n"
+    assert (refused.value.mutant, refused.value.file, refused.value.hunk_header) == (
+        "Stale",
+        "paged_engine/engine/preemption.py",
+        "@@ -35,3 +35,3 @@",
     )
-    with pytest.raises(
-        m.StaleMutant, match=r"hunk #1 .* matches .*scheduler\.py at lines \d+, \d+: "
-    ):
-        m.from_patch("Twice", _patch(tmp_path, "Twice", text))
+    assert "victim = running[-1]  # S7: the newest" in str(refused.value)
 
 
 def test_a_missing_patch_or_a_patch_outside_the_engine_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(m.StaleMutant, match=r"mutant Gone: .*Gone\.patch is missing"):
+    with pytest.raises(StaleMutant, match=r"mutant Gone: .*Gone\.patch: no such patch file"):
         m.from_patch("Gone", tmp_path)
     outside = HEADER.replace("engine/preemption", "config") + HUNK
-    with pytest.raises(m.StaleMutant, match=r"paged_engine/config\.py is not a module"):
+    with pytest.raises(StaleMutant) as refused:
         m.from_patch("Outside", _patch(tmp_path, "Outside", outside))
+    assert refused.value.file == "paged_engine/config.py"
+    assert refused.value.reason == "not a module of paged_engine/engine/"
     with pytest.raises(KeyError, match="no scheduler mutant named 'Nameless'"):
         m.build("Nameless")

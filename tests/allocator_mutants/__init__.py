@@ -7,10 +7,9 @@ and requires it to fail: proof that the machine can catch that class of bug. Two
   allocator's modules (``ALLOCATOR_MODULES``), described by its first line. ``allocator``
   applies it to copies of their sources in a directory of the caller's and imports the
   copies from there, so the bug is in the product's own code, and the product carries no
-  hook for it. Each hunk must match the source exactly once (anywhere: line numbers are
-  not used); a patch that no longer applies raises ``StaleMutant`` naming the mutant and
-  the hunk, in that mutant's own test only. Regenerate such a patch from the current
-  source with the same edit (``diff -u``), or write a new one by hand.
+  hook for it. A patch that no longer applies (tests/patch_mutants.py's rule: each hunk
+  matches exactly once) raises ``StaleMutant`` naming the mutant, the file and the hunk,
+  in that mutant's own test only.
 * **Subclass mutants**: the engine's ``BlockManager`` with a public method overridden.
 
 ``colliding_hash`` is the hash under which R10's token check decides most lookups.
@@ -18,16 +17,14 @@ and requires it to fail: proof that the machine can catch that class of bug. Two
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 from paged_engine.engine.block_manager import BlockManager, xxh64_block_hash
 from paged_engine.engine.sequence import Sequence
+from tests.patch_mutants import StaleMutant, import_copy, patched_copy, read_patch
 
 PATCHES = Path(__file__).parent
 ALLOCATOR_MODULES = (
@@ -86,149 +83,27 @@ def colliding_hash(token_ids: SequenceABC[int], prefix: int | None) -> int:
 # ---- patch mutants ---------------------------------------------------------------------------
 
 
-class StaleMutant(Exception):
-    """A patch mutant that no longer applies to the allocator's source."""
-
-
-@dataclass(frozen=True, slots=True)
-class Hunk:
-    header: str
-    """Its ``@@ -a,b +c,d @@`` line."""
-    old: tuple[str, ...]
-    """The lines it replaces (context and removed), without their line ends."""
-    new: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Patch:
-    name: str
-    description: str
-    """The text before the first file header: what the mutant breaks."""
-    files: dict[str, tuple[Hunk, ...]]
-    """Hunks by the path they patch (``paged_engine/...``, the ``a/`` prefix dropped)."""
-
-
 def patch_names() -> list[str]:
     """Every patch mutant in this directory."""
     return sorted(p.stem for p in PATCHES.glob("*.diff"))
 
 
-def parse_patch(name: str, text: str) -> Patch:
-    """A unified diff as ``Patch``; a malformed one raises ``StaleMutant``."""
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    description: list[str] = []
-    files: dict[str, list[Hunk]] = {}
-    path: str | None = None
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("--- "):
-            if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
-                raise StaleMutant(f"mutant {name}: '{line}' is not followed by a '+++' line")
-            path = lines[i + 1][4:].split("\t")[0].removeprefix("b/")
-            files.setdefault(path, [])
-            i += 2
-        elif line.startswith("@@ "):
-            if path is None:
-                raise StaleMutant(f"mutant {name}: hunk '{line}' before any file header")
-            hunk, i = _parse_hunk(name, path, lines, i)
-            files[path].append(hunk)
-        elif path is None:
-            description.append(line)
-            i += 1
-        elif line.startswith("\\"):  # "\ No newline at end of file"
-            i += 1
-        else:
-            raise StaleMutant(f"mutant {name}: unexpected line {i + 1} in {path}: {line!r}")
-    if not files or not all(files.values()):
-        raise StaleMutant(f"mutant {name}: the patch changes nothing")
-    return Patch(name, "\n".join(description).strip(), {p: tuple(h) for p, h in files.items()})
-
-
-def _parse_hunk(name: str, path: str, lines: list[str], i: int) -> tuple[Hunk, int]:
-    header = lines[i]
-    try:
-        ranges = header.split("@@")[1].split()
-        old_len, new_len = (int(r.partition(",")[2] or 1) for r in ranges)
-    except ValueError as e:
-        raise StaleMutant(f"mutant {name}: unreadable hunk header {header!r} in {path}") from e
-    old: list[str] = []
-    new: list[str] = []
-    i += 1
-    while i < len(lines) and (len(old) < old_len or len(new) < new_len):
-        line = lines[i]
-        tag, body = (line[:1] or " "), line[1:]  # an empty line: blank context
-        if tag == "\\":  # "\ No newline at end of file"
-            i += 1
-            continue
-        if tag not in " -+":
-            break
-        if tag in " -":
-            old.append(body)
-        if tag in " +":
-            new.append(body)
-        i += 1
-    if (len(old), len(new)) != (old_len, new_len) or old == new:
-        raise StaleMutant(
-            f"mutant {name}: hunk {header!r} of {path} has {len(old)} old and {len(new)} new "
-            f"lines for its header's {old_len} and {new_len}, or changes nothing"
-        )
-    return Hunk(header, tuple(old), tuple(new)), i
-
-
-def apply_hunks(name: str, path: str, source: str, hunks: SequenceABC[Hunk]) -> str:
-    """``source`` with each hunk's old lines, which must occur exactly once, replaced."""
-    lines = source.split("\n")
-    for k, hunk in enumerate(hunks, 1):
-        n = len(hunk.old)
-        at = [j for j in range(len(lines) - n + 1) if tuple(lines[j : j + n]) == hunk.old]
-        if len(at) != 1:
-            shown = "\n".join(f"    {line}" for line in hunk.old)
-            raise StaleMutant(
-                f"mutant {name}: hunk {k} of {path} ({hunk.header}) matches the source "
-                f"{len(at)} times, not once; its lines:\n{shown}"
-            )
-        lines[at[0] : at[0] + n] = hunk.new
-    return "\n".join(lines)
-
-
 def patched_modules(name: str, workdir: Path) -> dict[str, ModuleType]:
     """The allocator's modules with ``<name>.diff`` applied (an empty name: unpatched),
     written under ``workdir`` and imported from there, without touching the real ones."""
-    if name:
-        patch = parse_patch(name, (PATCHES / f"{name}.diff").read_text())
-        files = dict(patch.files)
-    else:
-        files = {}
+    patch = read_patch(name, PATCHES / f"{name}.diff") if name else None
     paths = {m: m.replace(".", "/") + ".py" for m in ALLOCATOR_MODULES}
-    unknown = sorted(set(files) - set(paths.values()))
+    unknown = sorted(set(patch.files if patch else ()) - set(paths.values()))
     if unknown:
-        raise StaleMutant(f"mutant {name}: patches {unknown}, outside {sorted(paths.values())}")
-    for module_name, rel in paths.items():
-        real = importlib.import_module(module_name)
-        source = Path(real.__file__ or "").read_text()
-        if rel in files:
-            source = apply_hunks(name, rel, source, files[rel])
-        target = workdir / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(source)
+        raise StaleMutant(name, ", ".join(unknown), None, "outside the allocator's modules")
+    patched_copy(name, patch, copy=tuple(paths.values()), into=workdir)
     # Imported under their own names, so that each copy's imports of the others find the
     # copies; the real modules are put back before anything else can see the swap.
     saved = {m: sys.modules[m] for m in ALLOCATOR_MODULES}
-    loaded: dict[str, ModuleType] = {}
     try:
-        for module_name, rel in paths.items():
-            spec = importlib.util.spec_from_file_location(module_name, workdir / rel)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
-            loaded[module_name] = module
+        return {m: import_copy(m, workdir / rel) for m, rel in paths.items()}
     finally:
         sys.modules.update(saved)
-    return loaded
 
 
 def allocator(name: str, workdir: Path) -> type[BlockManager]:
