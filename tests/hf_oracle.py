@@ -1,4 +1,5 @@
-"""transformers' own Qwen3ForCausalLM as the oracle for greedy generation."""
+"""transformers' own model class (the one config.json names) as the oracle for greedy
+generation."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ class Reference:
 
 class HFOracle:
     def __init__(self, model_dir: Path) -> None:
-        from transformers import Qwen3ForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     @torch.inference_mode()
     def greedy(self, prompt: list[int], max_tokens: int) -> Reference:

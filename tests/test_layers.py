@@ -26,9 +26,10 @@ from paged_engine.layers.attention import (
     naive_attention,
 )
 from paged_engine.layers.context import forward_context
+from paged_engine.layers.decoder import PACKED_MODULES_MAPPING, DecoderLayer
 from paged_engine.layers.layernorm import RMSNorm
 from paged_engine.layers.rotary import RopeSpec, RotaryEmbedding, rope_spec_from_config
-from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3DecoderLayer, Qwen3ForCausalLM
+from paged_engine.models.qwen3 import Qwen3ForCausalLM
 from paged_engine.utils.loader import load_model
 from paged_engine.utils.tiny_model import make_tiny_model
 from paged_engine.utils.tokenizer import load_tokenizer
@@ -177,7 +178,7 @@ def test_decoder_layer_matches_transformers() -> None:
     config = small_config()
     ref = hf.Qwen3DecoderLayer(config, layer_idx=0).eval()
     randomize_(ref, seed=3)
-    ours = Qwen3DecoderLayer(config, TorchAttentionBackend())
+    ours = DecoderLayer(config, Qwen3ForCausalLM.options_for(config), TorchAttentionBackend())
     copy_hf_weights(ours, ref)
     allocate_cache(ours, num_blocks=8, block_size=4)
     seq = 11

@@ -197,10 +197,35 @@ def test_missing_config(models: dict[str, Path], tmp_path: Path) -> None:
 def test_unsupported_architecture(models: dict[str, Path], tmp_path: Path) -> None:
     path = editable_copy(models["tied"], tmp_path / "m")
     config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    config["model_type"] = "gpt_neox"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM.*LlamaForCausalLM.*Qwen3"):
+        load(path)
+
+
+def test_a_known_unrun_architecture_is_refused_with_its_reason(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    path = editable_copy(models["tied"], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["Gemma3ForCausalLM"]
+    config["model_type"] = "gemma3_text"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM \(interleaved sliding-window"):
+        load(path)
+
+
+def test_a_llama_config_over_qwen3_weights_is_refused_by_tensor_name(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The architecture picks the class: Llama has no q/k norms, so Qwen3's are named."""
+    path = editable_copy(models["tied"], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["LlamaForCausalLM"]
     config["model_type"] = "llama"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match=r"unexpected tensor.*self_attn\.k_norm\.weight"):
         load(path)
 
 

@@ -52,7 +52,8 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
         return record
 
-    monkeypatch.setattr(loader, "Qwen3ForCausalLM", recording("Qwen3ForCausalLM"))
+    model_class = recording("the model class")
+    monkeypatch.setattr(loader, "class_for_config", lambda config: model_class)
     monkeypatch.setattr(model_runner, "load_model", recording("load_model"))
     return calls
 

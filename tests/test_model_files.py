@@ -47,7 +47,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         built.append(args)
         raise AssertionError("a model was built before the bad weight file was refused")
 
-    monkeypatch.setattr(loader, "Qwen3ForCausalLM", record)
+    monkeypatch.setattr(loader, "class_for_config", lambda config: record)
     return built
 
 

@@ -1,17 +1,24 @@
-"""Engine == transformers (greedy, float32, token for token) across model shapes.
+"""Engine == transformers (greedy, float32, token for token) across families and shapes.
 
-tests/test_e2e.py runs one tiny model, whose head_dim equals hidden_size / num_heads, as
-in no real Qwen3 (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128). Here four tiny models,
-built once per session, cover between them:
+tests/test_e2e.py runs one tiny Qwen3, whose head_dim equals hidden_size / num_heads, as
+in no real Qwen3 (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128). Here tiny models of every
+family the registry serves, built once per session, cover between them:
 
-=========  ============================  =========  =====  ==========  ========
-model      heads x head_dim (hidden 64)   GQA group  tied   rope_theta  max pos
-=========  ============================  =========  =====  ==========  ========
-wide       4 x 32 (64 / 4 = 16)          1          yes    1e4         4096
-narrow     4 x 8 (16)                    2          no     1e6         160
-many       8 x 16 (8)                    4          no     1e6         4096
-plain      4 x 16 (16)                   4          yes    1e4         192
-=========  ============================  =========  =====  ==========  ========
+==========  =======  =======================  ===  ====  =======  =========================
+model       family   heads x head_dim (h 64)  GQA  tied  max pos  also
+==========  =======  =======================  ===  ====  =======  =========================
+wide        Qwen3    4 x 32 (64 / 4 = 16)     1    yes   4096     theta 1e4
+narrow      Qwen3    4 x 8 (16)               2    no    160      theta 1e6
+many        Qwen3    8 x 16 (8)               4    no    4096     theta 1e6
+plain       Qwen3    4 x 16 (16)              4    yes   192      theta 1e4
+llama3      Llama    4 x 16 (16)              2    no    4096     llama3 rope scaling
+llama_bias  Llama    4 x 32 (16)              4    yes   4096     all biases, eps 0.3
+qwen2       Qwen2    4 x 16 (16)              4    no    4096     q/k/v biases
+mistral     Mistral  8 x 16 (8)               2    yes   4096     no sliding window
+==========  =======  =======================  ===  ====  =======  =========================
+
+Each family has its mutants below (a bias dropped, the rope scaling skipped, the norm's
+epsilon ignored), each caught by this comparison.
 
 On each, one engine run with a small pool (preemption), a small token budget (chunked
 prefill) and prompts sharing prefixes (prefix hits), twice over (the second run hits the
@@ -31,9 +38,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import paged_engine.layers.decoder as decoder
+import paged_engine.layers.rotary as rotary
 from paged_engine import LLM, SamplingParams
-from paged_engine.models import qwen3
+from paged_engine.layers.layernorm import RMSNorm
+from paged_engine.layers.linear import QKVParallelLinear
+from paged_engine.models.mistral import MistralForCausalLM
+from paged_engine.models.registry import MODELS
 from paged_engine.utils.model_config import load_config
 from paged_engine.utils.tiny_model import make_tiny_model
 from tests.hf_oracle import HFOracle, Reference, compare
@@ -54,13 +67,48 @@ class Shape:
     tie_word_embeddings: bool
     rope_theta: float
     max_position_embeddings: int = 4096
+    architecture: str = "Qwen3ForCausalLM"
+    rope_extra: tuple[tuple[str, Any], ...] = ()
+    overrides: tuple[tuple[str, Any], ...] = ()
 
+
+LLAMA3_ROPE = (
+    ("rope_type", "llama3"),
+    ("factor", 8.0),
+    ("low_freq_factor", 1.0),
+    ("high_freq_factor", 4.0),
+    ("original_max_position_embeddings", 64),
+)
+"""With head_dim 16 and theta 1e4 the wavelengths run from 6 to 2e4 positions: some are
+kept (below 64 / 4), some divided by 8 (above 64), some interpolated."""
+
+NO_WINDOW = (("sliding_window", None),)
 
 SHAPES = {
     "wide": Shape(4, 4, 32, True, 1e4),
     "narrow": Shape(4, 2, 8, False, 1e6, max_position_embeddings=160),
     "many": Shape(8, 2, 16, False, 1e6),
     "plain": Shape(4, 1, 16, True, 1e4, max_position_embeddings=192),
+    "llama3": Shape(4, 2, 16, False, 1e4, architecture="LlamaForCausalLM", rope_extra=LLAMA3_ROPE),
+    "llama_bias": Shape(
+        4,
+        1,
+        32,
+        True,
+        1e4,
+        architecture="LlamaForCausalLM",
+        overrides=(("attention_bias", True), ("mlp_bias", True), ("rms_norm_eps", 0.3)),
+    ),
+    "qwen2": Shape(4, 1, 16, False, 1e6, architecture="Qwen2ForCausalLM"),
+    "mistral": Shape(
+        8,
+        4,
+        16,
+        True,
+        1e4,
+        architecture="MistralForCausalLM",
+        overrides=(("sliding_window", None),),
+    ),
 }
 HIDDEN = 64
 
@@ -77,8 +125,11 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             num_kv_heads=s.num_kv_heads,
             head_dim=s.head_dim,
             tie_word_embeddings=s.tie_word_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+            rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}
+            | dict(s.rope_extra),
             max_position_embeddings=s.max_position_embeddings,
+            architecture=s.architecture,
+            config_overrides=dict(s.overrides),
         )
         for i, (name, s) in enumerate(SHAPES.items())
     }
@@ -183,25 +234,84 @@ def test_the_shapes_are_what_the_table_says(model_dirs: dict[str, Path]) -> None
         )
         assert cfg.tie_word_embeddings is shape.tie_word_embeddings
         assert cfg.rope_parameters["rope_theta"] == shape.rope_theta
+        assert cfg.architectures == [shape.architecture]
+        for key, value in (*shape.overrides, *shape.rope_extra):
+            where = cfg.rope_parameters if (key, value) in shape.rope_extra else cfg.__dict__
+            assert where[key] == value, (name, key)
     distinct = {s.head_dim != HIDDEN // s.num_heads for s in SHAPES.values()}
     assert distinct == {True, False}
     assert {s.num_heads // s.num_kv_heads for s in SHAPES.values()} == {1, 2, 4}
+    assert {s.architecture for s in SHAPES.values()} == set(MODELS)
 
 
-# ---- the mutant: attention scaled by hidden_size / num_heads ------------------------------
+# ---- mutants: each is caught by the comparison (an AssertionError naming the difference) --
+
+
+def assert_caught(name: str, model_dir: Path) -> None:
+    with pytest.raises(AssertionError, match="differs at"):
+        check(name, model_dir)
 
 
 def test_a_scale_from_hidden_size_over_heads_is_caught(
     monkeypatch: pytest.MonkeyPatch, model_dirs: dict[str, Path]
 ) -> None:
-    real_init = qwen3.Qwen3Attention.__init__
+    real_init = decoder.DecoderAttention.__init__
 
-    def init(self: qwen3.Qwen3Attention, config: Any, *args: Any, **kwargs: Any) -> None:
+    def init(self: decoder.DecoderAttention, config: Any, *args: Any, **kwargs: Any) -> None:
         real_init(self, config, *args, **kwargs)
         self.attn.scale = (config.hidden_size / config.num_attention_heads) ** -0.5
 
-    monkeypatch.setattr(qwen3.Qwen3Attention, "__init__", init)
+    monkeypatch.setattr(decoder.DecoderAttention, "__init__", init)
     check("plain", model_dirs["plain"])  # head_dim == hidden / heads: the mutant is exact
     for name in ("wide", "narrow", "many"):
-        with pytest.raises(AssertionError, match="differs at"):
-            check(name, model_dirs[name])
+        assert_caught(name, model_dirs[name])
+
+
+class QKVWithoutBias(QKVParallelLinear):
+    """Loads the q/k/v biases, then never adds them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, None)
+
+
+class RMSNormFixedEps(RMSNorm):
+    """Ignores the config's epsilon (always 1e-6)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps=1e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama_bias"])
+def test_a_dropped_qkv_bias_is_caught(
+    monkeypatch: pytest.MonkeyPatch, model_dirs: dict[str, Path], name: str
+) -> None:
+    monkeypatch.setattr(decoder, "QKVParallelLinear", QKVWithoutBias)
+    assert_caught(name, model_dirs[name])
+
+
+def test_skipped_llama3_rope_scaling_is_caught(
+    monkeypatch: pytest.MonkeyPatch, model_dirs: dict[str, Path]
+) -> None:
+    monkeypatch.setattr(rotary, "_llama3_inv_freq", lambda inv_freq, spec: inv_freq)
+    assert_caught("llama3", model_dirs["llama3"])
+
+
+def test_an_ignored_norm_epsilon_is_caught(
+    monkeypatch: pytest.MonkeyPatch, model_dirs: dict[str, Path]
+) -> None:
+    monkeypatch.setattr(decoder, "RMSNorm", RMSNormFixedEps)
+    assert_caught("llama_bias", model_dirs["llama_bias"])
+
+
+def test_mistral_run_as_qwen3_is_caught(
+    monkeypatch: pytest.MonkeyPatch, model_dirs: dict[str, Path]
+) -> None:
+    """Options taken from the wrong family: q/k norms (weights all ones) where Mistral
+    has none."""
+
+    def qwen3_options(config: Any) -> decoder.DecoderOptions:
+        return decoder.DecoderOptions(qk_norm=True)
+
+    monkeypatch.setattr(MistralForCausalLM, "options_for", staticmethod(qwen3_options))
+    with pytest.raises(ValueError, match="missing tensor"):  # the loader names the norms
+        check("mistral", model_dirs["mistral"])

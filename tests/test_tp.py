@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-import paged_engine.models.qwen3 as qwen3
+import paged_engine.layers.decoder as decoder
 from paged_engine import LLM, SamplingParams
 from paged_engine.worker import tp_worker
 from paged_engine.worker.tp_process import WorkerError
@@ -181,6 +181,50 @@ def test_replicated_kv_heads_and_the_with_block(tmp_path: Path, prompts: list[li
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)
 
 
+FAMILIES = {
+    "Qwen2ForCausalLM": {},  # q/k/v biases: sliced with their heads
+    "LlamaForCausalLM": {
+        "attention_bias": True,  # o_proj's bias is added once, after the all-reduce
+        "mlp_bias": True,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 1e4,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("architecture", list(FAMILIES))
+def test_tp2_of_each_family_is_token_identical_to_transformers(
+    tmp_path: Path, prompts: list[list[int]], architecture: str
+) -> None:
+    """The sharded pieces each family adds (biases on column- and row-parallel layers,
+    llama3 rotary) under TP=2, against transformers' own class."""
+    from paged_engine.utils.tiny_model import make_tiny_model
+
+    overrides = dict(FAMILIES[architecture])
+    rope = overrides.pop("rope_parameters", None)
+    model = make_tiny_model(
+        tmp_path / "m",
+        seed=4,
+        tie_word_embeddings=False,
+        architecture=architecture,
+        rope_parameters=rope,
+        config_overrides=overrides,
+    )
+    oracle = HFOracle(model)
+    refs = [oracle.greedy(p, MAX_TOKENS) for p in prompts[:6]]
+    with LLM(model, tensor_parallel_size=2, **CONFIG) as llm:
+        tp2 = tokens_of(llm, prompts[:6])
+    verdicts = [compare(t, r) for t, r in zip(tp2, refs, strict=True)]
+    assert all(v in ("same", "tie") for v in verdicts), verdicts
+    assert verdicts.count("same") >= 5, verdicts
+
+
 # ---- mutants -------------------------------------------------------------------------------
 
 MUTANTS: dict[str, tuple[Callable[..., None], str | None, type | None]] = {
@@ -210,7 +254,7 @@ def test_the_equality_check_catches_a_mutant(
     worker, layer, mutant = MUTANTS[name]
     monkeypatch.setattr(tp_worker, "worker_main", worker)
     if layer is not None:  # a layer mutant runs on rank 0 too
-        monkeypatch.setattr(qwen3, layer, mutant)
+        monkeypatch.setattr(decoder, layer, mutant)
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, **CONFIG)
     pids = llm.model_runner.workers.pids  # type: ignore[union-attr]
     tokens = tokens_of(llm, prompts)

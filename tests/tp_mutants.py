@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import paged_engine.models.qwen3 as qwen3
+import paged_engine.layers.decoder as decoder
 import paged_engine.utils.model_config as model_config
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.embed_head import VocabParallelEmbedding
@@ -52,11 +52,11 @@ class VocabEmbeddingWithoutMask(VocabParallelEmbedding):
 
 
 def patch_row_parallel() -> None:
-    qwen3.RowParallelLinear = RowParallelWithoutAllReduce  # type: ignore[misc]
+    decoder.RowParallelLinear = RowParallelWithoutAllReduce  # type: ignore[misc]
 
 
 def patch_vocab_embedding() -> None:
-    qwen3.VocabParallelEmbedding = VocabEmbeddingWithoutMask  # type: ignore[misc]
+    decoder.VocabParallelEmbedding = VocabEmbeddingWithoutMask  # type: ignore[misc]
 
 
 def run_worker_from_token_ids(self: ModelRunner, seqs: list[Sequence], is_prefill: bool) -> None:

@@ -11,6 +11,7 @@ the torch ops it replaces), elsewhere those torch ops.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,16 +22,24 @@ from torch import nn
 from paged_engine.kernels.fused_ops_cpu import MAX_COLS, fused_ok, qk_norm_rope_cpu_
 from paged_engine.layers.layernorm import rms_norm
 
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The parameters Llama 3.1's frequency-dependent scaling needs (all required)."""
 
 
 @dataclass(slots=True, frozen=True)
 class RopeSpec:
-    """The rope settings the model needs, whichever config spelling they came from."""
+    """The rope settings the model needs, whichever config spelling they came from.
+
+    ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``
+    are read for ``rope_type == "llama3"`` only (None otherwise)."""
 
     theta: float
     rope_type: str = "default"
     factor: float = 1.0
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
 
 
 def rope_spec_from_config(config: Any) -> RopeSpec:
@@ -57,10 +66,44 @@ def rope_spec_from_config(config: Any) -> RopeSpec:
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+    if rope_type == "llama3":
+        return _llama3_spec(float(theta), params)
     factor = float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0
     if rope_type == "linear" and factor <= 0:
         raise ValueError(f"linear rope scaling needs factor > 0, got {factor}")
     return RopeSpec(theta=float(theta), rope_type=rope_type, factor=factor)
+
+
+def _llama3_spec(theta: float, params: Mapping[str, Any]) -> RopeSpec:
+    missing = [k for k in LLAMA3_KEYS if params.get(k) is None]
+    if missing:
+        raise ValueError(f"llama3 rope scaling needs {', '.join(missing)} in rope_parameters")
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    factor, original = float(params["factor"]), params["original_max_position_embeddings"]
+    if not (factor > 0 and 0 < low < high) or not (isinstance(original, int) and original > 0):
+        raise ValueError(
+            "llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor "
+            f"and an int original_max_position_embeddings > 0, got {dict(params)}"
+        )
+    return RopeSpec(theta, "llama3", factor, low, high, original)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths (beyond ``original / low_freq_factor``) are
+    divided by ``factor``, short ones (below ``original / high_freq_factor``) kept, and
+    those between interpolated smoothly; op for op as transformers computes it."""
+    assert spec.low_freq_factor is not None and spec.high_freq_factor is not None
+    assert spec.original_max_position_embeddings is not None
+    original = spec.original_max_position_embeddings
+    low_wavelen, high_wavelen = original / spec.low_freq_factor, original / spec.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / spec.factor, inv_freq)
+    smooth = (original / wavelen - spec.low_freq_factor) / (
+        spec.high_freq_factor - spec.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -81,6 +124,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (spec.theta**exponents)
         if spec.rope_type == "linear":
             inv_freq = inv_freq / spec.factor
+        elif spec.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, spec)
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round it.
         self.inv_freq = inv_freq
         self._memo: (

@@ -1,211 +1,32 @@
-"""Qwen3 for causal LM, in Hugging Face's module layout, over the paged KV cache.
-
-Parameter names match Hugging Face checkpoints except for the fused projections
-(``qkv_proj``, ``gate_up_proj``); ``PACKED_MODULES_MAPPING`` tells the loader which
-checkpoint tensors fill which shard of them. Ops run in transformers' order (q/k RMSNorm
-per head *before* rotary, residual adds in the model dtype) so float32 logits match it.
-
-Built with a ``TPGroup`` of ``N`` ranks, the model is one rank's shard (``layers/parallel.py``:
-column-parallel QKV and gate_up, row-parallel o_proj and down with their all-reduces, a
-vocabulary-parallel embedding and LM head); without one it is the single-device model.
-"""
+"""Qwen3: the shared decoder (``layers/decoder.py``) with a per-head RMSNorm of q and k
+before rotary, and ``attention_bias`` on the q/k/v and output projections."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
-import torch
-from torch import nn
-
-from paged_engine.layers.activation import SiluAndMul
-from paged_engine.layers.attention import Attention, AttentionBackend
-from paged_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from paged_engine.layers.layernorm import RMSNorm
-from paged_engine.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
-from paged_engine.layers.parallel import SINGLE, TPGroup, check_divisible, kv_head_split
-from paged_engine.layers.rotary import RotaryEmbedding, rope_spec_from_config
-
-PACKED_MODULES_MAPPING: Mapping[str, tuple[str, str | int]] = MappingProxyType(
-    {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-)
-"""Checkpoint module name → (our fused module, shard id). Read-only: shared by all models."""
+from paged_engine.layers.decoder import DecoderForCausalLM, DecoderOptions, check_common_config
 
 
-def check_supported_config(config: Any) -> None:
-    """Raise ValueError for Qwen3 settings this implementation does not run.
-
-    Called by the loader before any weight is allocated, and by the model itself.
-    """
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+def refuse_sliding_window(config: Any) -> None:
+    """Qwen2/Qwen3 configs carry ``sliding_window`` even when ``use_sliding_window`` is
+    off (then every layer attends to the whole context, as here); on, it is refused."""
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ValueError("sliding-window attention is not supported")
-    if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(
-            f"num_attention_heads {config.num_attention_heads} is not a multiple of "
-            f"num_key_value_heads {config.num_key_value_heads}"
+            f"use_sliding_window with sliding_window={config.sliding_window} is not "
+            "supported: the paged attention here attends to the whole context"
         )
-    rope_spec_from_config(config)
 
 
-def _head_dim(config: Any) -> int:
-    return int(
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    """Qwen3's dense models (0.6B to 32B)."""
 
-
-class Qwen3Attention(nn.Module):
-    """qkv projection → per-head q/k RMSNorm → rotary → paged attention → o projection."""
-
-    def __init__(
-        self,
-        config: Any,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding | None = None,
-        tp: TPGroup = SINGLE,
-    ) -> None:
-        super().__init__()
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.num_heads = heads // tp.size  # this rank's heads
-        self.num_kv_heads = kv_head_split(kv_heads, tp)[1]
-        self.head_dim = _head_dim(config)
+    @staticmethod
+    def options_for(config: Any) -> DecoderOptions:
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, heads, kv_heads, bias=bias, tp=tp
-        )
-        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias, tp)
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        # The model passes one instance to all its layers: it makes a step's cos/sin once.
-        self.rotary_emb = rotary or RotaryEmbedding(self.head_dim, rope_spec_from_config(config))
-        self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend
-        )
+        return DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """q and k are normed and rotated side by side, ``[N, H + kvh, d]``, in one pass
-        (``RotaryEmbedding.norm_rotate``: in place in the qkv output on the CPU): each
-        head's norm and rotation are per row, so this is op for op the separate
-        ``q_norm``/``k_norm`` and rotations, with fewer kernel launches."""
-        n, h, kvh, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(hidden)
-        qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
-        qk = self.rotary_emb.norm_rotate(
-            positions, qk, self.q_norm.weight, self.k_norm.weight, h, self.q_norm.eps
-        )
-        v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
-        out = self.attn(qk[:, :h], qk[:, h:], v)
-        result: torch.Tensor = self.o_proj(out)
-        return result
-
-
-class Qwen3MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
-
-    def __init__(self, config: Any, tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], tp=tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, tp=tp)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_up_proj(x)))
-        return out
-
-
-class Qwen3DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks; the residual stream rides the fused norms."""
-
-    def __init__(
-        self,
-        config: Any,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding | None = None,
-        tp: TPGroup = SINGLE,
-    ) -> None:
-        super().__init__()
-        self.self_attn = Qwen3Attention(config, backend, rotary, tp)
-        self.mlp = Qwen3MLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, the residual stream before it is added)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class Qwen3Model(nn.Module):
-    """Embedding, decoder stack, final norm: packed tokens in, hidden states out."""
-
-    def __init__(self, config: Any, backend: AttentionBackend, tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        rotary = RotaryEmbedding(_head_dim(config), rope_spec_from_config(config))
-        self.layers = nn.ModuleList(
-            [
-                Qwen3DecoderLayer(config, backend, rotary, tp)
-                for _ in range(config.num_hidden_layers)
-            ]
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden: torch.Tensor = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        if residual is None:  # no decoder layers
-            normed: torch.Tensor = self.norm(hidden)
-            return normed
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-class Qwen3ForCausalLM(nn.Module):
-    """The whole model (one rank's shard of it with ``tp``). Attention metadata comes from
-    ``forward_context``, not arguments."""
-
-    def __init__(self, config: Any, backend: AttentionBackend, tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        check_supported_config(config)
-        check_divisible(config, tp.size)
-        self.config = config
-        self.tp = tp
-        self.packed_modules_mapping = PACKED_MODULES_MAPPING
-        self.model = Qwen3Model(config, backend, tp)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied, tp)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids``/``positions`` ``[N]`` (the batch's packed tokens) → ``[N, hidden]``."""
-        hidden: torch.Tensor = self.model(input_ids, positions)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[B, hidden]`` (usually each sequence's last token) → ``[B, vocab]`` (on the
-        ranks other than 0: uninitialised, see ``ParallelLMHead``)."""
-        logits: torch.Tensor = self.lm_head(hidden)
-        return logits
+    @staticmethod
+    def check_supported_config(config: Any) -> None:
+        check_common_config(config)
+        refuse_sliding_window(config)

@@ -1,4 +1,5 @@
-"""Load a Hugging Face Qwen3 checkpoint directory into ``Qwen3ForCausalLM``.
+"""Load a Hugging Face checkpoint directory into the model class its architecture names
+(``models/registry.py``: Llama, Mistral, Qwen2, Qwen3).
 
 Everything that can be wrong with a checkpoint is found before any real memory is spent:
 the directory and config.json (``model_config.load_config``), the shard files, and every
@@ -37,8 +38,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from paged_engine.errors import ModelConfigError
+from paged_engine.layers.decoder import PACKED_MODULES_MAPPING, DecoderForCausalLM
 from paged_engine.layers.parallel import SINGLE, TPGroup
-from paged_engine.models.qwen3 import PACKED_MODULES_MAPPING, Qwen3ForCausalLM
+from paged_engine.models.registry import class_for_config
 from paged_engine.utils.json_file import read_json_object
 from paged_engine.utils.model_config import CONFIG_FILE, load_config
 
@@ -197,7 +199,7 @@ def _load_tensor(param: torch.nn.Parameter, tensor: torch.Tensor, shard_id: Any)
 
 
 def _validate(
-    meta_model: Qwen3ForCausalLM,
+    meta_model: DecoderForCausalLM,
     shapes: Mapping[str, tuple[tuple[int, ...], Path]],
     tied: bool,
     model_dir: Path,
@@ -240,7 +242,7 @@ def load_model(
     backend: AttentionBackend,
     config: PretrainedConfig | None = None,
     tp: TPGroup = SINGLE,
-) -> tuple[Qwen3ForCausalLM, PretrainedConfig]:
+) -> tuple[DecoderForCausalLM, PretrainedConfig]:
     """Validate the checkpoint fully, then build the model on ``device`` in ``dtype``
     (rank ``tp.rank``'s shard of it, reading only that rank's slices).
 
@@ -257,12 +259,13 @@ def load_model(
     files = _weight_files(path)
     shapes = _checkpoint_shapes(files)
     tied = bool(config.tie_word_embeddings)
+    model_cls = class_for_config(config)
     with torch.device("meta"):
-        meta_model = Qwen3ForCausalLM(config, backend, tp)
+        meta_model = model_cls(config, backend, tp)
     _validate(meta_model, shapes, tied, path)
 
     with _default_dtype(dtype), torch.device(device):
-        model = Qwen3ForCausalLM(config, backend, tp)
+        model = model_cls(config, backend, tp)
     params = dict(model.named_parameters())
     expected = _expected_names(model)
     for path_ in files:

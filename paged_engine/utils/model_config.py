@@ -9,8 +9,9 @@ an unsupported architecture, a missing size, sizes that are not positive or do n
 together, a ``dtype`` that is not a floating type this engine runs, eos ids that are not
 token ids of the model's vocabulary.
 
-**Which keys are required.** transformers' ``Qwen3Config`` gives every key a default, but
-the ones that fix the tensors' shapes (``REQUIRED_FIELDS``) default to the sizes of one
+**Which keys are required.** transformers' configs give every key a default, but the
+ones that fix the tensors' shapes (``registry.REQUIRED_KEYS``, per architecture) default
+to the sizes of one
 particular large model (hidden 4096, 32 layers, a 151,936-token vocabulary, 32 KV heads,
 head_dim 128): a config.json that omits one describes some other model, and the
 mismatch would surface, if at all, as a misleading tensor-shape error. They are therefore
@@ -31,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub.errors import StrictDataclassError
 
 from paged_engine.errors import ModelConfigError
-from paged_engine.models.qwen3 import check_supported_config
+from paged_engine.models.registry import (
+    MODELS,
+    REFUSED,
+    REQUIRED_KEYS,
+    architecture_of,
+    model_class,
+)
 from paged_engine.utils.json_file import read_json_object
 
 __all__ = ["ModelConfig", "eos_token_ids", "head_dim", "load_config"]
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = tuple(MODELS)
 SIZE_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -53,36 +60,31 @@ SIZE_FIELDS = (
     "max_position_embeddings",
 )
 """Fields that must be ints >= 1."""
-REQUIRED_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-)
-"""Keys config.json must set: they fix the tensors' shapes (see the module docstring)."""
 DTYPE_KEYS = ("dtype", "torch_dtype")
 """Where a config declares the checkpoint's dtype (``torch_dtype``: transformers < 4.56)."""
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 """The declared dtypes this engine runs (``worker/devices.py``)."""
 
 
-def _check_architecture(raw: Mapping[str, Any], config_path: Path) -> None:
-    """The listed architectures decide (a ``Qwen3ForSequenceClassification`` checkpoint has
-    model_type "qwen3" but no LM head); model_type "qwen3" is accepted only when the
-    config lists no architectures at all."""
+def _check_architecture(raw: Mapping[str, Any], config_path: Path) -> str:
+    """The served architecture this config names (``registry.architecture_of``: the listed
+    architectures decide, since a ``Qwen3ForSequenceClassification`` checkpoint has
+    model_type "qwen3" but no LM head; ``model_type`` only when none is listed)."""
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type")
-    if isinstance(archs, list) and any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        return
-    if not archs and model_type == "qwen3":
-        return
-    found = f"architectures {archs}" if archs else f"model_type {model_type!r}"
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        reason = f"architectures must be a list of names, got {archs!r}"
+        raise ModelConfigError(str(config_path), reason, key="architectures")
+    found = architecture_of(archs, model_type)
+    if found is not None:
+        return found
+    refused = [f"{a} ({REFUSED[a]})" for a in archs if a in REFUSED]
+    named = f"architectures {archs}" if archs else f"model_type {model_type!r}"
+    if refused:
+        named = f"architecture {', '.join(refused)}"
     raise ModelConfigError(
         str(config_path),
-        f"unsupported model ({found}); supported architectures: {list(SUPPORTED_ARCHITECTURES)}",
+        f"unsupported model ({named}); supported architectures: {list(MODELS)}",
         key="architectures" if archs else "model_type",
     )
 
@@ -91,8 +93,8 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_required(raw: Mapping[str, Any], config_path: Path) -> None:
-    missing = [name for name in REQUIRED_FIELDS if name not in raw]
+def _check_required(raw: Mapping[str, Any], config_path: Path, architecture: str) -> None:
+    missing = [name for name in REQUIRED_KEYS[architecture] if name not in raw]
     if missing:
         raise ModelConfigError(
             str(config_path),
@@ -154,7 +156,7 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
 
     Raises FileNotFoundError (no directory, no config.json) or ``ModelConfigError`` (a
     ValueError) naming the file and the key: not a JSON object, unsupported architecture
-    or settings, a required key missing (``REQUIRED_FIELDS``), a size that is not an int
+    or settings, a required key missing (``registry.REQUIRED_KEYS``), a size that is not an int
     >= 1, ``rms_norm_eps <= 0``, heads not a multiple of KV heads, a ``dtype`` that is not
     one of ``FLOAT_DTYPES``. The raw JSON is checked before transformers parses it (its
     validators name neither file nor, always, the field), and the parsed config again,
@@ -169,8 +171,8 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} has no config.json ({config_path} is missing)")
     raw = read_json_object(config_path)
-    _check_architecture(raw, config_path)
-    _check_required(raw, config_path)
+    architecture = _check_architecture(raw, config_path)
+    _check_required(raw, config_path, architecture)
     _check_sizes(raw, config_path)
     _check_dtype(raw, config_path)
     try:
@@ -181,9 +183,10 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
     parsed["head_dim"] = head_dim(config) if parsed["num_attention_heads"] else None
     _check_sizes(parsed, config_path)
     try:
-        check_supported_config(config)
+        model_class(architecture).check_supported_config(config)
     except ValueError as err:
         raise ModelConfigError(str(config_path), str(err)) from None
+    config.architectures = [architecture]  # the one served, whichever way it was named
     return config
 
 

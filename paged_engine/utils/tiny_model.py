@@ -1,4 +1,5 @@
-"""A tiny random Qwen3 checkpoint with a locally trained tokenizer, for tests and demos.
+"""A tiny random checkpoint (Qwen3 by default; any family of ``models/registry.py``) with a
+locally trained tokenizer, for tests and demos.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a built-in corpus,
 and the weights are random. transformers' default init (N(0, 0.02)) makes a random model
@@ -161,20 +162,25 @@ def make_tiny_model(
     tie_word_embeddings: bool = True,
     num_shards: int = 1,
     rope_parameters: dict[str, Any] | None = None,
+    architecture: str = "Qwen3ForCausalLM",
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a random float32 Qwen3ForCausalLM and its tokenizer to ``out_dir``.
+    """Write a random float32 model of ``architecture`` (transformers' class of that name)
+    and its tokenizer to ``out_dir``; ``config_overrides`` sets further config keys
+    (``attention_bias``, ``mlp_bias``, ``rms_norm_eps``, ...).
 
     ``vocab_size`` is the BPE training target; the model's vocabulary is the trained
     tokenizer's actual size (``len(tokenizer)``), and ``eos_token_id`` its eos id.
     ``num_shards > 1`` writes that many safetensors files plus their index. Deterministic
     for a given seed (the caller's global RNG state is left untouched). Returns the path.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
+    model_cls = getattr(transformers, architecture)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size)
-    config = Qwen3Config(
+    settings: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -191,9 +197,10 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+    config = model_cls.config_class(**(settings | (config_overrides or {})))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # transformers' own init draws from the global RNG
-        model = Qwen3ForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]
+        model = model_cls(config).float().eval()
     _randomize(model, seed)
     shard_size = _max_shard_size(model.state_dict(), num_shards) if num_shards > 1 else "50GB"
     model.save_pretrained(out, max_shard_size=shard_size)

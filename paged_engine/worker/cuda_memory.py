@@ -20,10 +20,10 @@ import torch
 from paged_engine.config import EngineConfig
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.attention import Attention, AttentionBackend
+from paged_engine.layers.decoder import DecoderForCausalLM
 from paged_engine.layers.logprobs import sampled_logprobs
 from paged_engine.layers.parallel import TPGroup
 from paged_engine.layers.sampler import Sampler
-from paged_engine.models.qwen3 import Qwen3ForCausalLM
 from paged_engine.utils.model_config import ModelConfig
 from paged_engine.worker.cuda_graphs import capture_sizes, graphs_problem
 
@@ -52,7 +52,7 @@ class MeasuredRunner(Protocol):
     @property
     def backend(self) -> AttentionBackend: ...
     @property
-    def model(self) -> Qwen3ForCausalLM: ...
+    def model(self) -> DecoderForCausalLM: ...
     @property
     def sampler(self) -> Sampler: ...
     @property
