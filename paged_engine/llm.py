@@ -37,18 +37,25 @@ _NOT_HERE = {
 
 
 def _model_dir(model: object) -> Path:
+    """The Hugging Face directory to load: ``model`` itself, or, for a .gguf file (or a
+    directory holding one and no config.json), its conversion, made once and cached
+    (``utils/gguf_convert.py``)."""
     if not isinstance(model, str | Path):
-        raise TypeError(f"model must be a path to a model directory, got {model!r}")
+        raise TypeError(f"model must be a path to a model directory or .gguf file, got {model!r}")
     path = Path(model)
-    if not path.is_dir() and not re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
+    if not path.exists() and path.suffix.lower() == ".gguf":
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    if not path.exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
         raise FileNotFoundError(f"model directory {path} does not exist")
-    if not path.is_dir():  # a hub id, such as "Qwen/Qwen3-0.6B"
+    if not path.exists():  # a hub id, such as "Qwen/Qwen3-0.6B"
         raise FileNotFoundError(
             f"model {str(model)!r} is not a local directory: paged_engine loads only local "
-            "Hugging Face directories and never downloads. On a machine with network, "
-            f"fetch one with `huggingface-cli download {model} --local-dir DIR`, then pass DIR"
+            "Hugging Face directories and .gguf files, and never downloads. On a machine with "
+            f"network, fetch one with `hf download {model} --local-dir DIR`, then pass DIR"
         )
-    return path
+    from paged_engine.utils.gguf_convert import resolve_model_path
+
+    return resolve_model_path(path)
 
 
 def _engine_config(kwargs: dict[str, Any]) -> tuple[EngineConfig, bool]:

@@ -65,8 +65,8 @@ def test_bad_model_directories(tmp_path: Path, tiny_model_dir: Path, no_allocati
 def test_unsupported_architecture_and_bad_shapes(tmp_path: Path, tiny_model_dir: Path) -> None:
     llama = shutil.copytree(tiny_model_dir, tmp_path / "llama")
     cfg = json.loads((llama / "config.json").read_text())
-    (llama / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+    (llama / "config.json").write_text(json.dumps({**cfg, "architectures": ["PhiForCausalLM"]}))
+    with pytest.raises(ValueError, match="PhiForCausalLM"):
         LLM(llama)
     wide = shutil.copytree(tiny_model_dir, tmp_path / "wide")
     (wide / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))

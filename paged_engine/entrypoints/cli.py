@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate", help="generate from a model directory", formatter_class=HelpFormatter
     )
-    p.add_argument("--model", required=True, help="Hugging Face-format Qwen3 directory")
+    p.add_argument(
+        "--model", required=True, help="a Hugging Face-format model directory, or a .gguf file"
+    )
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     g = p.add_argument_group("sampling (SamplingParams; seeded by --seed)")
     g.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens at most")
@@ -181,6 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         args.parser.error(flag_message(e))
     try:
         return int(args.fn(args, fields, params))
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"error: {flag_message(e)}", file=sys.stderr)
         return 2

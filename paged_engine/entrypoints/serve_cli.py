@@ -36,7 +36,7 @@ def add_serve_parser(sub: Any) -> None:
         "/v1/models, /health, /metrics) on one engine, in the style of `vllm serve`.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("model", help="Hugging Face-format Qwen3 directory")
+    p.add_argument("model", help="a Hugging Face-format model directory, or a .gguf file")
     g = p.add_argument_group("server")
     add = g.add_argument
     add("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
