@@ -189,6 +189,7 @@ def _hf_config(header: GGUFHeader) -> dict[str, Any]:
     the tensors (which win where transformers guesses: ``head_dim``)."""
     from transformers import AutoConfig
 
+    from paged_engine.utils.gguf_rope import TENSOR, rope_parameters_from_freqs
     from paged_engine.utils.gguf_weights import checkpoint_dtype
 
     where = str(header.path)
@@ -221,12 +222,13 @@ def _hf_config(header: GGUFHeader) -> dict[str, Any]:
     if scaling != "none":
         reason = f"rope scaling {scaling!r} is not supported"
         raise ModelConfigError(where, reason, key=f"{header.architecture}.rope.scaling.type")
-    if "rope_freqs.weight" in header.skipped:
-        logger.warning(
-            "%s: rope_freqs.weight (llama.cpp's rotary frequency factors) is not applied, "
-            "as transformers does not apply it either",
-            header.path.name,
-        )
+    if TENSOR in header.skipped:  # Llama 3.1's scaling, as llama.cpp stores it
+        theta = float(header.metadata.get(f"{header.architecture}.rope.freq_base", 10000.0))
+        divisors = next(t for t in header.reader.tensors if t.name == TENSOR).data
+        rope = rope_parameters_from_freqs(divisors, theta, head_dim, where)
+        if rope is not None:
+            raw["rope_parameters"] = rope
+            raw.pop("rope_scaling", None)
     return raw | {
         "model_type": header.architecture,
         "architectures": [header.hf_architecture],
