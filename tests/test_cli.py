@@ -226,6 +226,8 @@ HELP_DEFAULTS = {
         **ENGINE_DEFAULTS,
     },
     "demo": {
+        "--model": "None",
+        "--tiny": "False",
         "--cache-dir": "/cache/root",
         "--requests": "32",
         "--max-tokens": "64",
@@ -234,7 +236,6 @@ HELP_DEFAULTS = {
         "--num-kv-blocks": "160",
         "--num-gpu-blocks-override": "160",
         "--max-model-len": "1024",
-        "--threads": "1",
     },
     "make-tiny-model": {
         "--seed": "0",

