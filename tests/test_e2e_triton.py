@@ -119,3 +119,31 @@ def test_triton_chunked_prefill(
     assert stats is not None and stats.steps > stats.prefill_tokens // 13
     # Prompts admitted after the first one's early chunks hit its registered blocks.
     assert stats.cached_prompt_tokens > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_serves_a_llama_with_every_bias_and_llama3_rope(
+    tmp_path: Path, prompts: list[list[int]], device: str
+) -> None:
+    """Another family over the same kernels: Llama's q/k/v/o and MLP biases and its llama3
+    rotary scaling all sit outside attention, so two prompts suffice."""
+    from paged_engine.utils.tiny_model import make_tiny_model
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 1e4,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    model = make_tiny_model(
+        tmp_path / "llama",
+        seed=6,
+        architecture="LlamaForCausalLM",
+        rope_parameters=rope,
+        config_overrides={"attention_bias": True, "mlp_bias": True},
+    )
+    oracle = HFOracle(model)
+    chosen = prompts[1:3]
+    check(make_llm(model, device), chosen, [oracle.greedy(p, MAX_TOKENS) for p in chosen])

@@ -166,7 +166,7 @@ def references(name: str, model_dir: Path) -> list[Reference]:
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def check(name: str, model_dir: Path) -> None:
+def check(name: str, model_dir: Path, **backend: Any) -> None:
     """Two runs on one engine against transformers, with prefix hits, chunked prefill and
     preemption all seen. Raises AssertionError on any real difference.
 
@@ -183,6 +183,7 @@ def check(name: str, model_dir: Path) -> None:
         device="cpu",  # float32 on the CPU paths, token for token (also on a CUDA machine)
         dtype="float32",
         **size,
+        **backend,
     )
     assert llm.config.max_model_len == length  # given, or capped at max_position_embeddings
     chunks = record_chunks(llm)
@@ -222,6 +223,14 @@ def record_chunks(llm: LLM) -> list[int]:
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_engine_equals_transformers(model_dirs: dict[str, Path], name: str) -> None:
     check(name, model_dirs[name])
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama_bias", "qwen2", "mistral"])
+def test_the_torch_backend_serves_every_family(model_dirs: dict[str, Path], name: str) -> None:
+    """The comparison above runs the CPU default (the compiled decode kernel); the
+    families differ only above attention, and here they run over the torch backend too
+    (Triton: tests/test_e2e_triton.py)."""
+    check(name, model_dirs[name], attention_backend="torch")
 
 
 def test_the_shapes_are_what_the_table_says(model_dirs: dict[str, Path]) -> None:
