@@ -36,7 +36,7 @@ _NOT_HERE = {
 }
 
 
-def _model_dir(model: object) -> Path:
+def model_dir_of(model: object) -> Path:
     """The Hugging Face directory to load: ``model`` itself, or, for a .gguf file (or a
     directory holding one and no config.json), its conversion, made once and cached
     (``utils/gguf_convert.py``)."""
@@ -124,8 +124,8 @@ class LLM:
         self, model: str | Path, *, tokenizer: str | Path | None = None, **kwargs: Any
     ) -> None:
         engine_config, len_given = _engine_config(kwargs)
-        model_dir = _model_dir(model)
-        tokenizer_dir = model_dir if tokenizer is None else _model_dir(tokenizer)
+        model_dir = model_dir_of(model)
+        tokenizer_dir = model_dir if tokenizer is None else model_dir_of(tokenizer)
         # config.json and generation_config.json, read once: the runner and every
         # tensor-parallel worker get this record, never the file
         model_config = ModelConfig.load(model_dir)

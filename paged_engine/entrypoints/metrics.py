@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from paged_engine.engine.request import RequestOutput
-from paged_engine.entrypoints.engine_loop import EngineLoop
+from paged_engine.entrypoints.loop_types import EngineSnapshot
 
 PREFIX = "paged_engine_"
 LATENCY_BUCKETS = (
@@ -73,7 +74,7 @@ class ServerMetrics:
         )
         self._timings: dict[str, _Timing] = {}
 
-    def bind(self, loop: EngineLoop) -> None:
+    def bind(self, loop: _HasSnapshot) -> None:
         """Export ``loop``'s engine snapshot too."""
         self.registry.register(_SnapshotCollector(loop))
 
@@ -104,10 +105,16 @@ class ServerMetrics:
         self.requests.labels(how).inc()
 
 
+class _HasSnapshot(Protocol):
+    """An engine loop, in this process or the client of a core process."""
+
+    snapshot: EngineSnapshot | None
+
+
 class _SnapshotCollector:
     """The engine's gauges and counters, from the loop's latest snapshot."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: _HasSnapshot) -> None:
         self._loop = loop
 
     def collect(self) -> Iterator[Metric]:

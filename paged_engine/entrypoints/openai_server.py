@@ -41,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.entrypoints.core_client import CoreClient
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.entrypoints.http_errors import ApiKeyMiddleware, add_error_handlers, refused_field
 from paged_engine.entrypoints.limits import admit, prompt_char_limit, read_body
@@ -81,18 +82,25 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | CoreClient,
         settings: ServerSettings,
         *,
         tokenizer: Any,
         max_model_len: int,
         model_root: str | None = None,
     ) -> None:
+        """``engine``: an engine to step on a thread of this process, or the client of
+        an engine core process (``core_client.py``), which then reports to the metrics."""
         self.settings = settings
         self.metrics = ServerMetrics()
-        self.loop = EngineLoop(
-            engine, max_step_failures=settings.max_step_failures, observer=self.metrics
-        )
+        self.loop: EngineLoop | CoreClient
+        if isinstance(engine, CoreClient):
+            engine.observer = self.metrics
+            self.loop = engine
+        else:
+            self.loop = EngineLoop(
+                engine, max_step_failures=settings.max_step_failures, observer=self.metrics
+            )
         self.metrics.bind(self.loop)
         self.tokenizer = tokenizer
         self.has_chat_template = settings.chat_template is not None or bool(

@@ -86,6 +86,21 @@ def add_serve_parser(sub: Any) -> None:
         "the process exits at most 3 s later",
     )
     add("--log-level", default="info", choices=list(LOG_LEVELS), help="uvicorn's log level")
+    add(
+        "--engine-core",
+        default="process",
+        choices=["process", "thread"],
+        help="where the engine steps: a process of its own (HTTP, tokenizing and streaming "
+        "do not share its GIL) or a thread of the server's process",
+    )
+    add(
+        "--engine-core-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --engine-core process: restart a core that died, N times at most; "
+        "past that the server exits with status 1",
+    )
     add_engine_args(p)
     p.set_defaults(fn=cmd_serve, parser=p)
 
@@ -112,6 +127,8 @@ def check_serve_args(a: argparse.Namespace) -> None:
             f"serve needs the server extra: pip install 'paged_engine[server]' "
             f"({', '.join(missing)} not installed)"
         )
+    if a.engine_core_restarts < 0:
+        raise ValueError(f"--engine-core-restarts must be >= 0, got {a.engine_core_restarts}")
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         a.settings = ServerSettings(
@@ -132,14 +149,43 @@ def check_serve_args(a: argparse.Namespace) -> None:
 
 
 def cmd_serve(a: argparse.Namespace, fields: dict[str, Any], params: object) -> int:
+    code = _serve_core(a, fields) if a.engine_core == "process" else _serve_thread(a, fields)
+    _exit_now(code)
+    return code  # not reached
+
+
+def _serve_thread(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     from paged_engine import LLM
     from paged_engine.entrypoints.server_runtime import run_server
 
     llm = LLM(a.model, **fields)
     try:
-        code = run_server(llm, a.settings, model_root=str(a.model))
+        return run_server(llm, a.settings, model_root=str(a.model))
     finally:
         llm.close()
+
+
+def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
+    """The engine in a core process; this process loads the tokenizer, not the weights."""
+    from paged_engine.entrypoints.core_client import CoreClient
+    from paged_engine.entrypoints.core_process import CoreSpec
+    from paged_engine.entrypoints.server_runtime import run_core_server
+    from paged_engine.llm import model_dir_of
+    from paged_engine.utils.model_config import ModelConfig
+    from paged_engine.utils.tokenizer import load_tokenizer
+
+    model_dir = model_dir_of(a.model)  # a .gguf file is converted here, once
+    tokenizer = load_tokenizer(model_dir, ModelConfig.load(model_dir).hf_config)
+    spec = CoreSpec(str(model_dir), fields, a.settings.max_step_failures)
+    client = CoreClient(spec, restarts=a.engine_core_restarts)
+    client.launch()
+    try:
+        return run_core_server(client, tokenizer, a.settings, model_root=str(a.model))
+    finally:
+        client.stop(1.0)
+
+
+def _exit_now(code: int) -> None:
     # The interpreter's own exit would now collect every object the model and the engine
     # made (a full garbage collection: seconds under load, past the shutdown bound). The
     # server has shut down and the workers are closed: flush and end the process here.

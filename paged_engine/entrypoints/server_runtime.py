@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from paged_engine.entrypoints.core_client import CoreClient
 from paged_engine.entrypoints.openai_server import OpenAIServer
 from paged_engine.entrypoints.settings import ServerSettings
 
@@ -82,12 +83,41 @@ def _exit_quietly(signum: int, frame: object) -> None:
 def run_server(llm: Any, settings: ServerSettings, model_root: str | None = None) -> int:
     """Serve ``llm`` until SIGTERM or SIGINT (see the module docstring); ``model_root`` is
     shown as the model's ``root`` in ``/v1/models``. Returns the exit status."""
-    server = OpenAIServer.from_llm(llm, settings, model_root)
+    return serve(OpenAIServer.from_llm(llm, settings, model_root))
+
+
+def run_core_server(
+    client: CoreClient, tokenizer: Any, settings: ServerSettings, model_root: str | None = None
+) -> int:
+    """Serve the engine core process behind ``client`` (launched: its ``info`` is set).
+    If the core dies with no restart left, the server shuts down and exits with 1."""
+    assert client.info is not None
+    server = OpenAIServer(
+        client,
+        settings,
+        tokenizer=tokenizer,
+        max_model_len=client.info.max_model_len,
+        model_root=model_root,
+    )
+    return serve(server, client)
+
+
+def serve(server: OpenAIServer, client: CoreClient | None = None) -> int:
+    """Run ``server`` under uvicorn until a signal (or the core's death) ends it."""
     config = uvicorn_config(server)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_quietly)
+    uv = DrainingServer(config, server)
+    died: list[str] = []
+    if client is not None:
+
+        def on_death(why: str) -> None:
+            died.append(why)
+            uv.should_exit = True
+
+        client.on_death = on_death
     try:
-        DrainingServer(config, server).run()
+        uv.run()
     except SystemExit as e:  # _exit_quietly, once uvicorn has shut down
-        return int(e.code or 0)
-    return 0
+        return int(e.code or 0) if not died else 1
+    return 1 if died else 0

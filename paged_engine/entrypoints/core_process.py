@@ -1,0 +1,191 @@
+"""The engine core in a process of its own (``serve --engine-core process``): the child
+side. The API process (``core_client.py``) keeps HTTP, tokenizing and streaming; this
+process keeps the scheduler, the allocator and the model runner, and steps them.
+
+Why a process: in one interpreter the HTTP stack and the engine share the GIL, so every
+parsed request, every streamed chunk and every step wait for each other. Here the engine
+thread runs the same ``EngineLoop`` as the in-process server (its fault isolation, its
+draining, its snapshot), with two differences: a request's sink is a ``RemoteSink``, a
+key the API process maps back to its stream, and a step's events, the snapshot and the
+metrics observer's calls are sent over one pipe instead of being handed to an event loop.
+
+The wire (``multiprocessing`` connections, pickled tuples of plain records):
+
+* API → core: ``("add", key, requests, arrival_time)``, ``("abort", ids)``,
+  ``("drain", grace_s)``, ``("stop",)``;
+* core → API: ``("ready", info)`` once the model is loaded (or ``("failed", error)``),
+  ``("added", key, error)`` for each add (``error`` None or the exception ``add_request``
+  raised), ``("events", [(key, event), ...])`` once per step, ``("snapshot", s)`` when it
+  changed, ``("observe", method, args)`` for the metrics, and ``("fatal", message)`` if
+  the engine thread dies.
+
+Lifetime: the core ignores SIGINT (the terminal's Ctrl-C is the API process's to handle:
+it drains, then stops the core), and ends when its pipe closes, so an API process that dies
+leaves no orphan core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import pickle
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.engine.request import RequestOutput
+from paged_engine.entrypoints.engine_loop import EngineLoop, _Add
+from paged_engine.entrypoints.loop_types import EngineSnapshot
+from paged_engine.entrypoints.routes import Batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSpec:
+    """What a core needs to start: the model and ``LLM``'s keywords, picklable."""
+
+    model: str
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_step_failures: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What the core reports once loaded (the API process loads no weights)."""
+
+    max_model_len: int
+    num_blocks: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSink:
+    """A request's sink inside the core: the key of its stream in the API process."""
+
+    key: int
+
+
+class _Sender:
+    """One pipe written from several threads (the engine thread, the command reader)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def __call__(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+class _ForwardingObserver:
+    """The metrics observer, called on the engine thread, forwarded to the API process."""
+
+    def __init__(self, send: _Sender) -> None:
+        self._send = send
+
+    def added(self, request_ids: list[str], arrival_time: float) -> None:
+        self._send(("observe", "added", (request_ids, arrival_time)))
+
+    def output(self, out: RequestOutput) -> None:
+        self._send(("observe", "output", (out,)))
+
+    def ended(self, request_id: str, how: str) -> None:
+        self._send(("observe", "ended", (request_id, how)))
+
+
+class CoreLoop(EngineLoop):
+    """``EngineLoop`` whose events, snapshots and death are sent over the pipe."""
+
+    def __init__(self, engine: LLMEngine, send: _Sender, max_step_failures: int) -> None:
+        super().__init__(
+            engine, max_step_failures=max_step_failures, observer=_ForwardingObserver(send)
+        )
+        self._send = send
+        self._sent_snapshot: EngineSnapshot | None = None
+
+    def _post(self, batch: Batch) -> None:
+        if batch:
+            self._send(("events", [(sink.key, event) for sink, event in batch]))  # type: ignore[attr-defined]
+
+    def _run(self) -> None:
+        super()._run()
+        if self.fatal is not None:  # the thread died: every waiter was failed (events)
+            self._send(("fatal", self.fatal))
+
+    def _publish(self) -> None:
+        super()._publish()
+        if self.snapshot != self._sent_snapshot:
+            self._sent_snapshot = self.snapshot
+            self._send(("snapshot", self.snapshot))
+
+    def add_remote(self, key: int, requests: list[Any], arrival_time: float) -> None:
+        """Queue an add whose outcome is answered over the pipe (any thread)."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def answer(f: concurrent.futures.Future[None]) -> None:
+            error = f.exception()
+            try:
+                self._send(("added", key, error))
+            except (pickle.PicklingError, TypeError, AttributeError):  # an unpicklable error
+                self._send(("added", key, ValueError(str(error))))
+
+        done.add_done_callback(answer)
+        sink: Any = RemoteSink(key)
+        try:
+            self._put(_Add(requests, arrival_time, sink, done))
+        except Exception as exc:  # the loop has stopped: refused like any closed loop
+            if not done.done():
+                done.set_exception(exc)
+
+
+def core_main(spec: CoreSpec, conn: Any) -> None:
+    """The core process's entry point (``multiprocessing`` spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    send = _Sender(conn)
+    try:
+        from paged_engine import LLM
+
+        llm = LLM(spec.model, **spec.llm_kwargs)
+    except BaseException as exc:  # refused (a ModelConfigError, say): raised again there
+        try:
+            send(("failed", exc))
+        except (pickle.PicklingError, TypeError, AttributeError):
+            send(("failed", RuntimeError(f"{type(exc).__name__}: {exc}")))
+        return
+    engine = llm.llm_engine
+    loop = CoreLoop(engine, send, spec.max_step_failures)
+    loop.start(asyncio.new_event_loop())  # never run: events go through _post
+    send(("ready", CoreInfo(llm.config.max_model_len, engine.num_blocks, os.getpid())))
+    try:
+        _read_commands(conn, loop)
+    finally:
+        stopped = loop.stop(10.0)
+        llm.close()
+        conn.close()
+        logging.shutdown()
+        os._exit(0 if stopped else 1)
+
+
+def _read_commands(conn: Any, loop: CoreLoop) -> None:
+    """Apply the API process's commands until ``stop`` or the pipe closes."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the API process is gone
+            return
+        kind = message[0]
+        if kind == "add":
+            loop.add_remote(message[1], message[2], message[3])
+        elif kind == "abort":
+            loop.abort(message[1])
+        elif kind == "drain":
+            loop.begin_shutdown(message[1])
+        elif kind == "stop":
+            return
+        else:
+            log.error("unknown command %r from the API process", kind)
