@@ -61,6 +61,8 @@ class CoreInfo:
     max_model_len: int
     num_blocks: int
     pid: int
+    block_size: int
+    prefix_cache_hash: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +162,15 @@ def core_main(spec: CoreSpec, conn: Any) -> None:
     engine = llm.llm_engine
     loop = CoreLoop(engine, send, spec.max_step_failures)
     loop.start(asyncio.new_event_loop())  # never run: events go through _post
-    send(("ready", CoreInfo(llm.config.max_model_len, engine.num_blocks, os.getpid())))
+    config = llm.config
+    info = CoreInfo(
+        config.max_model_len,
+        engine.num_blocks,
+        os.getpid(),
+        config.kvcache_block_size,
+        config.prefix_cache_hash,
+    )
+    send(("ready", info))
     try:
         _read_commands(conn, loop)
     finally:

@@ -108,7 +108,8 @@ class ServerMetrics:
 class _HasSnapshot(Protocol):
     """An engine loop, in this process or the client of a core process."""
 
-    snapshot: EngineSnapshot | None
+    @property
+    def snapshot(self) -> EngineSnapshot | None: ...
 
 
 class _SnapshotCollector:

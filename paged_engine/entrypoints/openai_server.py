@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.entrypoints.core_client import CoreClient
+from paged_engine.entrypoints.dp_client import DPClient
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.entrypoints.http_errors import ApiKeyMiddleware, add_error_handlers, refused_field
 from paged_engine.entrypoints.limits import admit, prompt_char_limit, read_body
@@ -82,7 +83,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: LLMEngine | CoreClient,
+        engine: LLMEngine | CoreClient | DPClient,
         settings: ServerSettings,
         *,
         tokenizer: Any,
@@ -90,11 +91,12 @@ class OpenAIServer:
         model_root: str | None = None,
     ) -> None:
         """``engine``: an engine to step on a thread of this process, or the client of
-        an engine core process (``core_client.py``), which then reports to the metrics."""
+        engine core processes (``core_client.py``, ``dp_client.py``), which then report
+        to the metrics."""
         self.settings = settings
         self.metrics = ServerMetrics()
-        self.loop: EngineLoop | CoreClient
-        if isinstance(engine, CoreClient):
+        self.loop: EngineLoop | CoreClient | DPClient
+        if isinstance(engine, CoreClient | DPClient):
             engine.observer = self.metrics
             self.loop = engine
         else:

@@ -94,6 +94,14 @@ def add_serve_parser(sub: Any) -> None:
         "do not share its GIL) or a thread of the server's process",
     )
     add(
+        "--data-parallel-size",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="engine core processes, each with its own KV pool and prefix cache; requests "
+        "go to the one holding the longest prefix of their blocks, balanced against load",
+    )
+    add(
         "--engine-core-restarts",
         type=int,
         default=0,
@@ -127,6 +135,8 @@ def check_serve_args(a: argparse.Namespace) -> None:
             f"serve needs the server extra: pip install 'paged_engine[server]' "
             f"({', '.join(missing)} not installed)"
         )
+    if a.data_parallel_size > 1 and a.engine_core != "process":
+        raise ValueError("--data-parallel-size > 1 needs --engine-core process")
     if a.engine_core_restarts < 0:
         raise ValueError(f"--engine-core-restarts must be >= 0, got {a.engine_core_restarts}")
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -169,20 +179,29 @@ def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     """The engine in a core process; this process loads the tokenizer, not the weights."""
     from paged_engine.entrypoints.core_client import CoreClient
     from paged_engine.entrypoints.core_process import CoreSpec
+    from paged_engine.entrypoints.dp_client import DPClient
     from paged_engine.entrypoints.server_runtime import run_core_server
     from paged_engine.llm import model_dir_of
+    from paged_engine.platform import default_num_threads, threads_per_rank
     from paged_engine.utils.model_config import ModelConfig
     from paged_engine.utils.tokenizer import load_tokenizer
 
     model_dir = model_dir_of(a.model)  # a .gguf file is converted here, once
     tokenizer = load_tokenizer(model_dir, ModelConfig.load(model_dir).hf_config)
+    replicas = a.data_parallel_size
+    if replicas > 1:  # the replicas share this machine's cores, as TP ranks do
+        threads = fields.get("num_threads") or default_num_threads()
+        fields = {**fields, "num_threads": threads_per_rank(threads, replicas)}
     spec = CoreSpec(str(model_dir), fields, a.settings.max_step_failures)
-    client = CoreClient(spec, restarts=a.engine_core_restarts)
-    client.launch()
+    cores = [CoreClient(spec, restarts=a.engine_core_restarts) for _ in range(replicas)]
     try:
+        for core in cores:
+            core.launch()
+        client = cores[0] if replicas == 1 else DPClient(cores)
         return run_core_server(client, tokenizer, a.settings, model_root=str(a.model))
     finally:
-        client.stop(1.0)
+        for core in cores:
+            core.stop(1.0)
 
 
 def _exit_now(code: int) -> None:

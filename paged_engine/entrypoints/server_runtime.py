@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from paged_engine.entrypoints.core_client import CoreClient
+from paged_engine.entrypoints.dp_client import DPClient
 from paged_engine.entrypoints.openai_server import OpenAIServer
 from paged_engine.entrypoints.settings import ServerSettings
 
@@ -87,10 +88,13 @@ def run_server(llm: Any, settings: ServerSettings, model_root: str | None = None
 
 
 def run_core_server(
-    client: CoreClient, tokenizer: Any, settings: ServerSettings, model_root: str | None = None
+    client: CoreClient | DPClient,
+    tokenizer: Any,
+    settings: ServerSettings,
+    model_root: str | None = None,
 ) -> int:
-    """Serve the engine core process behind ``client`` (launched: its ``info`` is set).
-    If the core dies with no restart left, the server shuts down and exits with 1."""
+    """Serve the engine core process(es) behind ``client`` (launched: ``info`` is set).
+    If every core dies with no restart left, the server shuts down and exits with 1."""
     assert client.info is not None
     server = OpenAIServer(
         client,
@@ -99,23 +103,26 @@ def run_core_server(
         max_model_len=client.info.max_model_len,
         model_root=model_root,
     )
-    return serve(server, client)
+    cores = client.replicas if isinstance(client, DPClient) else [client]
+    return serve(server, cores)
 
 
-def serve(server: OpenAIServer, client: CoreClient | None = None) -> int:
-    """Run ``server`` under uvicorn until a signal (or the core's death) ends it."""
+def serve(server: OpenAIServer, cores: list[CoreClient] | None = None) -> int:
+    """Run ``server`` under uvicorn until a signal, or the death of its last core, ends
+    it (exit status 1 then)."""
     config = uvicorn_config(server)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_quietly)
     uv = DrainingServer(config, server)
     died: list[str] = []
-    if client is not None:
 
-        def on_death(why: str) -> None:
+    def on_death(why: str) -> None:
+        if not server.loop.alive:  # with data parallelism, the others may still serve
             died.append(why)
             uv.should_exit = True
 
-        client.on_death = on_death
+    for core in cores or []:
+        core.on_death = on_death
     try:
         uv.run()
     except SystemExit as e:  # _exit_quietly, once uvicorn has shut down
