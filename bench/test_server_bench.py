@@ -86,9 +86,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("serve") / "model", seed=0)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[str]:
-    with serve_process(model_dir, *FLAGS, "--max-queue", "4096") as (url, _):
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """``--engine-core process`` (the default: the engine steps in a process of its own)
+    and ``thread`` (in the server's process, sharing its GIL)."""
+    flags = [*FLAGS, "--max-queue", "4096", "--engine-core", request.param]
+    with serve_process(model_dir, *flags) as (url, _):
         yield url
 
 
@@ -173,7 +176,7 @@ def test_server_request_rate_against_latency(benchmark: Any, server: str) -> Non
 
 
 def test_http_layer_cost_against_offline_generate(
-    benchmark: Any, server: str, model_dir: Path
+    benchmark: Any, server: str, model_dir: Path, request: pytest.FixtureRequest
 ) -> None:
     llm = LLM(model_dir, **ENGINE)
     warm = workload(98)[:8]
@@ -196,6 +199,7 @@ def test_http_layer_cost_against_offline_generate(
         ratios.append(server_s / offline_s)
     info = {
         "suite": "server",
+        "engine_core": request.node.callspec.params["server"],
         "offline_tokens_per_s_best": max(offline_tps),
         "offline_tokens_per_s_median": statistics.median(offline_tps),
         "server_tokens_per_s_best": max(server_tps),
@@ -208,5 +212,6 @@ def test_http_layer_cost_against_offline_generate(
     benchmark.pedantic(lambda: run_server(server, extra, None), rounds=1, iterations=1)
     print(f"\nHTTP layer, {NUM_REQUESTS} requests at saturation, {ROUNDS} alternated rounds each")
     for k, v in info.items():
-        if k != "suite":
+        if k not in ("suite", "engine_core"):
             print(f"  {k:28} {v:10.3f}")
+    print(f"  engine core: {info['engine_core']}")
