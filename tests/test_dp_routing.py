@@ -188,3 +188,24 @@ def test_dp2_server_answers_as_offline(tiny_model_dir: Path) -> None:
         )
         assert again.choices[0].text == offline[0]
         assert proc.poll() is None
+
+
+def test_replicas_and_tensor_parallelism_compose(tiny_model_dir: Path) -> None:
+    """DP=2 x TP=2: two cores, each the rank 0 of its own two-rank group (five processes
+    besides the test's), still the offline text."""
+    llm = LLM(tiny_model_dir, block_size=8, num_threads=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    offline = [o.outputs[0].text for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
+    flags = ("--data-parallel-size", "2", "--tensor-parallel-size", "2")
+    with serve_process(tiny_model_dir, *flags) as (url, proc):
+        api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        got = [
+            api.completions.create(
+                model=MODEL, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+            for p in PROMPTS[:4]
+        ]
+        assert got == offline
+        assert len(core_pids(proc.pid)) == 2
