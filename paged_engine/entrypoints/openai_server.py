@@ -1,10 +1,12 @@
 """An OpenAI-compatible HTTP server on one engine (``paged-engine serve``), on FastAPI and
 uvicorn (the ``server`` extra).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /health`` (200 while the engine loop lives, else 503), ``GET /metrics``
-(Prometheus). Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``. With an API key every route but ``/health`` needs ``Authorization: Bearer``.
+Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
+``POST /v1/chat/completions``, vLLM's ``POST /tokenize`` and ``/detokenize`` (the tokenizer
+alone, never the engine: ``tokenize_routes``), ``GET /health`` (200 while the engine loop
+lives, else 503), ``GET /metrics`` (Prometheus). Errors have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``. With an API key every route but
+``/health`` needs ``Authorization: Bearer``.
 
 The life of a request: a body over ``max_request_body_bytes`` is a 413 before it is
 parsed; it is parsed and validated (pydantic, then the route's own checks and
@@ -69,6 +71,7 @@ from paged_engine.entrypoints.streaming import (
     until_disconnect,
 )
 from paged_engine.entrypoints.tokenize_pool import TokenizePool
+from paged_engine.entrypoints.tokenize_routes import TokenizeRoutes
 
 STOP_WAIT_S = 1.0
 """How long the application's shutdown waits for the engine thread to end (it is a daemon
@@ -153,15 +156,22 @@ class OpenAIServer:
         async def health() -> Response:
             return Response(status_code=200 if self.loop.alive else 503)
 
-        @app.get("/v1/models")
-        async def models() -> ModelList:
-            card = ModelCard(
+        def card() -> ModelCard:
+            return ModelCard(
                 id=self.settings.served_model_name,
                 created=self.created,
                 root=self.model_root,
                 max_model_len=self.max_model_len,
             )
-            return ModelList(data=[card])
+
+        @app.get("/v1/models")
+        async def models() -> ModelList:
+            return ModelList(data=[card()])
+
+        @app.get("/v1/models/{model_id:path}")  # a served name may hold "/" (org/model)
+        async def model(model_id: str) -> ModelCard:
+            check_model(model_id, self.settings.served_model_name)
+            return card()
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -175,6 +185,11 @@ class OpenAIServer:
         async def chat(request: Request) -> Response:
             return await self._chat(request)
 
+        s = self.settings
+        TokenizeRoutes(
+            self.tokenizer, s.served_model_name, self.max_model_len, self.max_prompt_chars,
+            s.max_request_body_bytes, s.chat_template, self.has_chat_template, self.tokenize,
+        ).register(app)  # fmt: skip
         return app
 
     async def _parse(self, request: Request, model: type[Any]) -> Any:

@@ -6,14 +6,15 @@ ignored. Beside OpenAI's fields, the requests take vLLM's sampling extensions un
 names (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``allowed_token_ids``, ``bad_words``, ``return_token_ids``). Responses keep OpenAI's
-field names and its nulls.
+field names and its nulls. vLLM's ``/tokenize`` and ``/detokenize`` bodies have vLLM's
+shapes and names, which its benchmark client (``vllm bench serve``) reads.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 class _Request(BaseModel):
@@ -87,6 +88,51 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+
+class TokenizeCompletionRequest(_Request):
+    """vLLM's ``/tokenize`` of a text. ``model`` may be omitted, as in vLLM (the served
+    model)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's ``/tokenize`` of a conversation, rendered by the chat template; special
+    tokens are not added by default (the template writes its own), as in vLLM.
+    ``chat_template`` is taken so that it can be refused by name: vLLM too refuses a
+    request's template unless trusted (a template is code the server runs)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+
+
+def _tokenize_form(body: Any) -> str:
+    """A body with ``messages`` is the chat form, any other the text form (the tags are
+    class names, which ``validation_error`` leaves out of a field's path)."""
+    chat = isinstance(body, dict) and "messages" in body
+    return "TokenizeChatRequest" if chat else "TokenizeCompletionRequest"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_form),
+]
+"""Either form of a ``/tokenize`` body, told apart by its ``messages`` key."""
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -203,6 +249,19 @@ class ModelCard(BaseModel):
     owned_by: str = "paged_engine"
     root: str | None = None
     max_model_len: int | None = None
+
+
+class TokenizeResponse(BaseModel):
+    """vLLM's names: ``vllm bench serve`` reads ``tokens``."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):
