@@ -74,6 +74,7 @@ NONE_MEANS: dict[str, str] = {
     "api_key": "$PAGED_ENGINE_API_KEY if set, else none: every route is open",
     "served_model_name": "the model argument as given",
     "chat_template": "the tokenizer's, if it has one",
+    "data_parallel_size_local": "--data-parallel-size: every replica on this node",
 }
 """What a flag left at None stands for, shown in ``--help`` as its default."""
 

@@ -7,12 +7,11 @@ One reader thread receives everything the core sends and hands each step's event
 event loop with one ``call_soon_threadsafe`` (as ``EngineLoop`` does), the observer's calls
 to the metrics, and the add answers to the waiting ``submit``s.
 
-Faults: if the core process dies, every request in flight ends with a ``RequestFailed``
-(500) naming the exit, pending adds are refused, ``alive`` turns False (``/health`` 503),
-and ``on_death`` is called: the server then exits, or, with restarts left, the client
-starts a new core and serves again once it has loaded (``EngineUnavailable``, 503, until
-then). ``stop`` asks the core to finish, then terminates and kills it after a bound: no
-process is left behind.
+Faults: if the core process dies (its pipe closes), every request in flight ends with a
+``RequestFailed`` (500) naming the exit, pending adds are refused, ``alive`` turns False
+(``/health`` 503), and ``on_death`` is called: the server then exits, or, with restarts
+left, a new core serves once loaded (503 until then). ``stop`` asks the core to finish,
+then terminates and kills it after a bound: no process is left behind.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from paged_engine.engine.request import RequestOutput
 from paged_engine.entrypoints.core_process import CoreInfo, CoreSpec, core_main
+from paged_engine.entrypoints.engine_loop import _deliver
 from paged_engine.entrypoints.loop_types import (
     EngineSnapshot,
     EngineUnavailable,
@@ -94,12 +93,7 @@ class CoreClient:
     def launch(self) -> CoreInfo:
         """Start a core and wait for its model; raises what ``LLM(...)`` raised in the
         core (a ``ModelConfigError``, say), or RuntimeError if it died or timed out."""
-        parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(
-            target=core_main, args=(self.spec, child), name="engine-core", daemon=False
-        )
-        process.start()
-        child.close()
+        process, parent = self._spawn()
         deadline = time.monotonic() + self.load_timeout
         try:
             while True:  # the engine thread publishes its first snapshot before "ready"
@@ -111,7 +105,7 @@ class CoreClient:
                 self.snapshot = message[1]
         except (EOFError, OSError):
             process.join(KILL_WAIT_S)
-            message = ("failed", RuntimeError(f"the engine core exited ({process.exitcode})"))
+            message = ("failed", RuntimeError(self._died_why(process)))
         except BaseException:
             _end(process, 0.0)
             raise
@@ -120,6 +114,19 @@ class CoreClient:
             raise message[1]
         self._process, self._conn, self.info, self.fatal = process, parent, message[1], None
         return self.info
+
+    def _spawn(self) -> tuple[Any, Any]:
+        """A new core process and this side's end of its pipe (``dp_remote``: a remote's)."""
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(
+            target=core_main, args=(self.spec, child), name="engine-core", daemon=False
+        )
+        process.start()
+        child.close()
+        return process, parent
+
+    def _died_why(self, process: Any) -> str:
+        return f"the engine core process died (exit code {process.exitcode})"
 
     def start(self, loop: asyncio.AbstractEventLoop, timeout: float = 30.0) -> None:
         if self._reader is not None:
@@ -140,7 +147,7 @@ class CoreClient:
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else int(self._process.pid)
+        return None if self._process is None else self._process.pid
 
     async def submit(
         self, requests: list[tuple[str, object, SamplingParams]], arrival_time: float
@@ -234,10 +241,7 @@ class CoreClient:
                 if stream is None:
                     continue
                 batch.append((stream.sink, event))
-                ended = isinstance(event, RequestFailed) or (
-                    isinstance(event, RequestOutput) and event.finished
-                )
-                if ended:
+                if isinstance(event, RequestFailed) or event.finished:
                     stream.open_ids.discard(event.request_id)
                     if not stream.open_ids:
                         del self._streams[key]
@@ -247,7 +251,7 @@ class CoreClient:
         if batch and self._aloop is not None:
             # RuntimeError: the event loop is closed, nobody listens any more
             with contextlib.suppress(RuntimeError):
-                self._aloop.call_soon_threadsafe(_put_all, batch)
+                self._aloop.call_soon_threadsafe(_deliver, batch)
 
     def _core_died(self) -> bool:
         """The pipe closed. Fail what was in flight; True when a new core now serves."""
@@ -255,7 +259,7 @@ class CoreClient:
         process.join(KILL_WAIT_S)
         if self._stopping:
             return False
-        why = self.fatal or f"the engine core process died (exit code {process.exitcode})"
+        why = self.fatal or self._died_why(process)
         self.fatal = why
         log.error("%s: failing every request in flight", why)
         with self._lock:
@@ -277,11 +281,6 @@ class CoreClient:
         if self.on_death is not None:
             self.on_death(self.fatal)
         return False
-
-
-def _put_all(batch: list[tuple[asyncio.Queue[Event], Event]]) -> None:
-    for sink, event in batch:
-        sink.put_nowait(event)
 
 
 def _end(process: Any, timeout: float) -> bool:

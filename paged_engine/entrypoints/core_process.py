@@ -21,7 +21,8 @@ The wire (``multiprocessing`` connections, pickled tuples of plain records):
 
 Lifetime: the core ignores SIGINT (the terminal's Ctrl-C is the API process's to handle:
 it drains, then stops the core), and ends when its pipe closes, so an API process that dies
-leaves no orphan core.
+leaves no orphan core. A core on another host (``dp_headless``) speaks the same wire over
+an authenticated TCP connection to the head, and ends when that connection closes.
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ class CoreLoop(EngineLoop):
 
 
 def core_main(spec: CoreSpec, conn: Any) -> None:
-    """The core process's entry point (``multiprocessing`` spawn target)."""
+    """The core process's entry point (``multiprocessing`` spawn target). ``conn`` is the
+    pipe from ``CoreClient`` or a headless core's TCP connection to the head: both are
+    ``multiprocessing`` connections, so one protocol serves a local and a remote replica."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     send = _Sender(conn)
     try:

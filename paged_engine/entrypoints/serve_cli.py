@@ -21,6 +21,7 @@ from paged_engine.entrypoints.settings import (
     API_KEY_ENV,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ServerSettings,
+    dp_authkey,
 )
 
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
@@ -102,6 +103,40 @@ def add_serve_parser(sub: Any) -> None:
         "go to the one holding the longest prefix of their blocks, balanced against load",
     )
     add(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        metavar="L",
+        help="of the N replicas, those this node runs; the head listens for the other N - L, "
+        "started on other hosts with --headless (shared key: $PAGED_ENGINE_DP_AUTHKEY)",
+    )
+    add(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the head's address, where it listens for remote replicas and they connect",
+    )
+    add(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=29550,
+        metavar="PORT",
+        help="the head's port for them",
+    )
+    add(
+        "--data-parallel-connect-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long the head waits for its remote replicas, and a headless core for the head",
+    )
+    add(
+        "--headless",
+        action="store_true",
+        help="run only --data-parallel-size-local engine cores, no API server: remote "
+        "replicas of the head at --data-parallel-address:--data-parallel-rpc-port",
+    )
+    add(
         "--engine-core-restarts",
         type=int,
         default=0,
@@ -135,8 +170,7 @@ def check_serve_args(a: argparse.Namespace) -> None:
             f"serve needs the server extra: pip install 'paged_engine[server]' "
             f"({', '.join(missing)} not installed)"
         )
-    if a.data_parallel_size > 1 and a.engine_core != "process":
-        raise ValueError("--data-parallel-size > 1 needs --engine-core process")
+    _check_dp_args(a)
     if a.engine_core_restarts < 0:
         raise ValueError(f"--engine-core-restarts must be >= 0, got {a.engine_core_restarts}")
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -158,6 +192,30 @@ def check_serve_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
 
 
+def _check_dp_args(a: argparse.Namespace) -> None:
+    """Resolve ``a.dp_local`` (the replicas this node runs) and ``a.dp_remote`` (those the
+    head waits for); remote replicas need the shared key, refused by name when unset."""
+    n, local = a.data_parallel_size, a.data_parallel_size_local
+    a.dp_local = n if local is None else local
+    a.dp_remote = 0 if a.headless else n - a.dp_local
+    if a.headless and a.dp_local < 1:
+        raise ValueError(f"--data-parallel-size-local must be >= 1 with --headless, got {local}")
+    if not a.headless and not 0 <= a.dp_local <= n:
+        raise ValueError(f"--data-parallel-size-local must be in [0, {n}], got {local}")
+    if not 0 < a.data_parallel_rpc_port < 65536:
+        raise ValueError(
+            f"--data-parallel-rpc-port must be in [1, 65535], got {a.data_parallel_rpc_port}"
+        )
+    if not a.data_parallel_connect_timeout > 0:
+        raise ValueError(
+            f"--data-parallel-connect-timeout must be > 0, got {a.data_parallel_connect_timeout}"
+        )
+    if (n > 1 or a.dp_remote or a.headless) and a.engine_core != "process":
+        raise ValueError("--data-parallel-size > 1 and --headless need --engine-core process")
+    if a.dp_remote or a.headless:
+        dp_authkey()
+
+
 def cmd_serve(a: argparse.Namespace, fields: dict[str, Any], params: object) -> int:
     code = _serve_core(a, fields) if a.engine_core == "process" else _serve_thread(a, fields)
     _exit_now(code)
@@ -176,10 +234,12 @@ def _serve_thread(a: argparse.Namespace, fields: dict[str, Any]) -> int:
 
 
 def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
-    """The engine in a core process; this process loads the tokenizer, not the weights."""
-    from paged_engine.entrypoints.core_client import CoreClient
+    """The engine in core processes, here and on other hosts (``dp_remote``), or only
+    the cores (``--headless``); the API process loads the tokenizer, not the weights."""
     from paged_engine.entrypoints.core_process import CoreSpec
     from paged_engine.entrypoints.dp_client import DPClient
+    from paged_engine.entrypoints.dp_headless import run_headless
+    from paged_engine.entrypoints.dp_remote import ReplicaError, launch_replicas
     from paged_engine.entrypoints.server_runtime import run_core_server
     from paged_engine.llm import model_dir_of
     from paged_engine.platform import default_num_threads, threads_per_rank
@@ -187,17 +247,29 @@ def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     from paged_engine.utils.tokenizer import load_tokenizer
 
     model_dir = model_dir_of(a.model)  # a .gguf file is converted here, once
-    tokenizer = load_tokenizer(model_dir, ModelConfig.load(model_dir).hf_config)
-    replicas = a.data_parallel_size
-    if replicas > 1:  # the replicas share this machine's cores, as TP ranks do
+    if a.dp_local > 1:  # the replicas share this machine's cores, as TP ranks do
         threads = fields.get("num_threads") or default_num_threads()
-        fields = {**fields, "num_threads": threads_per_rank(threads, replicas)}
+        fields = {**fields, "num_threads": threads_per_rank(threads, a.dp_local)}
     spec = CoreSpec(str(model_dir), fields, a.settings.max_step_failures)
-    cores = [CoreClient(spec, restarts=a.engine_core_restarts) for _ in range(replicas)]
+    address = (a.data_parallel_address, a.data_parallel_rpc_port)
+    timeout = a.data_parallel_connect_timeout
+    if a.headless:
+        return run_headless(spec, a.dp_local, address, timeout)
+    tokenizer = load_tokenizer(model_dir, ModelConfig.load(model_dir).hf_config)
     try:
-        for core in cores:
-            core.launch()
-        client = cores[0] if replicas == 1 else DPClient(cores)
+        cores = launch_replicas(
+            spec,
+            a.dp_local,
+            a.dp_remote,
+            address=address,
+            restarts=a.engine_core_restarts,
+            connect_timeout=timeout,
+        )
+    except ReplicaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    try:
+        client = cores[0] if len(cores) == 1 else DPClient(cores)
         return run_core_server(client, tokenizer, a.settings, model_root=str(a.model))
     finally:
         for core in cores:

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 API_KEY_ENV = "PAGED_ENGINE_API_KEY"
 """The environment variable ``serve`` reads the API key from when ``--api-key`` is absent."""
+DP_AUTHKEY_ENV = "PAGED_ENGINE_DP_AUTHKEY"
+"""The secret that a head and its headless nodes share (``dp_remote``): an environment
+variable, not a flag, so that it shows in no process list."""
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 """``--max-request-body-bytes``'s default: room for a batch of long prompts, far below the
 size at which parsing a body costs real memory or time."""
@@ -71,3 +75,16 @@ class ServerSettings:
         t = self.shutdown_timeout
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             raise ValueError(f"shutdown_timeout must be a finite number >= 0, got {t!r}")
+
+
+def dp_authkey() -> bytes:
+    """The shared key of remote data-parallel replicas, from ``$PAGED_ENGINE_DP_AUTHKEY``;
+    ValueError naming the variable when it is unset or empty: over TCP every peer must
+    prove it knows the key before a single (pickled) message is read."""
+    key = os.environ.get(DP_AUTHKEY_ENV, "")
+    if not key:
+        raise ValueError(
+            f"replicas on other hosts need a shared key: set ${DP_AUTHKEY_ENV}, the same "
+            "on the head and on every --headless node"
+        )
+    return key.encode()
