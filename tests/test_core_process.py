@@ -151,7 +151,10 @@ def test_a_dead_core_is_restarted_when_asked(tiny_model_dir: Path, offline: list
         first = core_pid(proc.pid)
         os.kill(first, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while httpx.get(url + "/health").status_code != 200 or core_pid(proc.pid) == first:
+        while core_pid(proc.pid) == first:  # then /health: it is 200 until the death is seen
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        while httpx.get(url + "/health").status_code != 200:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         got = client(url).completions.create(
