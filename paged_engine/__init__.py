@@ -1,7 +1,12 @@
 """paged_engine: an LLM inference engine around a paged KV cache with prefix caching.
 
+vLLM's offline names are importable from here: ``LLM``, ``LLMEngine``, ``EngineArgs``,
+``SamplingParams``, ``RequestOutputKind``, ``RequestOutput``, ``CompletionOutput``,
+``TextPrompt``, ``TokensPrompt``.
+
 Importing this package (or ``paged_engine.engine``) never imports torch: the allocator and
-scheduler are usable on their own. ``LLM`` is resolved lazily on first access.
+scheduler are usable on their own. ``LLM`` and ``LLMEngine`` (which load models, so need
+torch) and the engine's records are resolved lazily on first access (``_LAZY``).
 
 Importing it sets ``OMP_WAIT_POLICY=PASSIVE`` in ``os.environ`` (unless the variable is
 set, or an OpenMP runtime, e.g. torch's, is already loaded): OpenMP reads the variable once,
@@ -13,20 +18,46 @@ processes inherit the variable.
 from typing import TYPE_CHECKING, Any
 
 from paged_engine.config import EngineConfig, prepare_openmp
-from paged_engine.sampling_params import SamplingParams
+from paged_engine.engine_args import EngineArgs
+from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 
-prepare_openmp()  # before anything imports torch: neither module above does
+prepare_openmp()  # before anything imports torch: none of the modules above does
 
 if TYPE_CHECKING:
+    from paged_engine.engine.inputs import TextPrompt, TokensPrompt
+    from paged_engine.engine.request import CompletionOutput, RequestOutput
     from paged_engine.llm import LLM
+    from paged_engine.llm_engine import LLMEngine
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "paged_engine.llm",
+    "LLMEngine": "paged_engine.llm_engine",
+    "CompletionOutput": "paged_engine.engine.request",
+    "RequestOutput": "paged_engine.engine.request",
+    "TextPrompt": "paged_engine.engine.inputs",
+    "TokensPrompt": "paged_engine.engine.inputs",
+}
+"""Names imported on first access: ``LLM``'s and ``LLMEngine``'s modules import torch, and
+the engine's records bring the engine's modules (tens of milliseconds) with them."""
 
 
 def __getattr__(name: str) -> Any:
-    if name == "LLM":
-        from paged_engine.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'paged_engine' has no attribute {name!r}")

@@ -104,6 +104,11 @@ class EngineConfig:
     """The most completions one request may ask for (``SamplingParams.n``): every completion
     is a sequence built at admission, on the engine's thread, so an unbounded ``n`` would
     stall every other request while it is built."""
+    max_logprobs: int = 20
+    """vLLM's name and default: the most ``logprobs`` / ``prompt_logprobs`` a request may
+    ask for, checked when it is added (never more than the vocabulary); -1 bounds them by
+    the vocabulary alone. Why a bound: every asked-for top-k is computed, decoded and
+    carried per token, for every step of the request."""
     tensor_parallel_size: int = 1
     """Ranks the model is sharded over (vLLM's name): rank 0 in this process, the others in
     spawned workers, one device each (``worker/tp_worker.py``). The model's heads, KV
@@ -150,6 +155,9 @@ class EngineConfig:
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("max_n", self.max_n)
+        m = self.max_logprobs
+        if not isinstance(m, int) or isinstance(m, bool) or m < -1:
+            raise ValueError(f"max_logprobs must be an int >= 0, or -1 (no bound), got {m!r}")
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with its per-device defaults filled in (``max_num_batched_tokens``

@@ -10,97 +10,33 @@ collection or interpreter exit ends them.
 
 from __future__ import annotations
 
-import re
-import weakref
 from collections.abc import Mapping
-from dataclasses import fields, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, cast
+from typing import Any
 
-from paged_engine.config import EngineConfig
-from paged_engine.engine.inputs import Tokenizer
-from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request import RequestOutput
 from paged_engine.engine.stats import RunStats
-from paged_engine.errors import ModelConfigError
-from paged_engine.utils.model_config import ModelConfig
-from paged_engine.utils.tokenizer import load_tokenizer
-from paged_engine.worker.model_runner import ModelRunner
+from paged_engine.engine_args import engine_args_from_kwargs
+from paged_engine.llm_engine import LLMEngine, model_dir_of, refuse_lora
+from paged_engine.sampling_params import SamplingParams
+from paged_engine.utils.generation_defaults import default_sampling_values
 
-_ALIASES = {"block_size": "kvcache_block_size"}
-"""vLLM's names for our fields."""
-
-_NOT_HERE = {
-    "pipeline_parallel_size": "pipeline parallelism is not supported: use 1",
-}
-
-
-def model_dir_of(model: object) -> Path:
-    """The Hugging Face directory to load: ``model`` itself, or, for a .gguf file (or a
-    directory holding one and no config.json), its conversion, made once and cached
-    (``utils/gguf_convert.py``)."""
-    if not isinstance(model, str | Path):
-        raise TypeError(f"model must be a path to a model directory or .gguf file, got {model!r}")
-    path = Path(model)
-    if not path.exists() and path.suffix.lower() == ".gguf":
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    if not path.exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    if not path.exists():  # a hub id, such as "Qwen/Qwen3-0.6B"
-        raise FileNotFoundError(
-            f"model {str(model)!r} is not a local directory: paged_engine loads only local "
-            "Hugging Face directories and .gguf files, and never downloads. On a machine with "
-            f"network, fetch one with `hf download {model} --local-dir DIR`, then pass DIR"
-        )
-    from paged_engine.utils.gguf_convert import resolve_model_path
-
-    return resolve_model_path(path)
-
-
-def _engine_config(kwargs: dict[str, Any]) -> tuple[EngineConfig, bool]:
-    """An ``EngineConfig`` from ``LLM``'s keywords (vLLM's names accepted), and whether
-    ``max_model_len`` was given."""
-    values: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        if key in _NOT_HERE:
-            if value not in (None, 1):
-                raise ValueError(f"{key}={value!r}: {_NOT_HERE[key]}")
-            continue
-        name = _ALIASES.get(key, key)
-        if name in values:
-            alias = next(a for a, n in _ALIASES.items() if n == name)
-            raise TypeError(f"both {alias!r} and {name!r} given")
-        values[name] = value
-    known = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise TypeError(
-            f"unknown LLM argument(s) {unknown}; known: {sorted(known | set(_ALIASES))}"
-        )
-    return EngineConfig(**values), "max_model_len" in values
-
-
-def _check_tokenizer_eos(eos: int, vocab_size: int, tokenizer_dir: Path) -> None:
-    """The tokenizer's eos (the fallback when neither config sets one) is a token of the
-    model's vocabulary: one outside could never be generated, and masking it (min_tokens)
-    would index past the logits."""
-    if eos >= vocab_size:
-        raise ModelConfigError(
-            str(tokenizer_dir / "tokenizer_config.json"),
-            f"the tokenizer's eos_token has id {eos}, outside the model's vocabulary "
-            f"(vocab_size {vocab_size})",
-            key="eos_token",
-        )
+__all__ = ["LLM", "model_dir_of"]
 
 
 class LLM:
-    """A Qwen3 model from a local Hugging Face-format directory, served by the paged engine.
+    """A model from a local Hugging Face-format directory or .gguf file, served by the paged
+    engine.
 
     ``model`` is the directory (a hub name is refused with a message saying how to fetch
     it); ``tokenizer`` another directory holding the tokenizer (default: ``model``). The
-    keywords are ``EngineConfig``'s fields, with vLLM's names where they differ
-    (``block_size`` for ``kvcache_block_size``); an unknown one is a TypeError naming it.
+    keywords are ``EngineArgs``' fields (vLLM's names, each documented there), and
+    ``EngineConfig``'s names where they differ (``kvcache_block_size`` for
+    ``block_size``, ``num_kvcache_blocks`` for ``num_gpu_blocks_override``,
+    ``kv_cache_memory`` for ``kv_cache_memory_bytes``); an unknown one is a TypeError
+    listing the known ones. The engine is built by ``LLMEngine.from_engine_args``, the
+    one path from arguments to an engine.
 
     Construction validates everything (device, config.json, attention backend, pool size,
     checkpoint) before a weight is read or the model or the KV pool is allocated; only a
@@ -123,55 +59,20 @@ class LLM:
     def __init__(
         self, model: str | Path, *, tokenizer: str | Path | None = None, **kwargs: Any
     ) -> None:
-        engine_config, len_given = _engine_config(kwargs)
-        model_dir = model_dir_of(model)
-        tokenizer_dir = model_dir if tokenizer is None else model_dir_of(tokenizer)
-        # config.json and generation_config.json, read once: the runner and every
-        # tensor-parallel worker get this record, never the file
-        model_config = ModelConfig.load(model_dir)
-        if not len_given:
-            default = min(engine_config.max_model_len, model_config.max_position_embeddings)
-            engine_config = replace(engine_config, max_model_len=default)
-        # the tokenizer and eos ids can be refused too: read before the weights
-        self.tokenizer = load_tokenizer(
-            tokenizer_dir, model_config.hf_config if tokenizer is None else None
-        )
-        eos = model_config.eos_token_ids
-        if eos is None and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = (int(self.tokenizer.eos_token_id),)
-            _check_tokenizer_eos(eos[0], model_config.vocab_size, tokenizer_dir)
+        engine_args = engine_args_from_kwargs(model, tokenizer, kwargs)
         self._closed = False
-        if engine_config.tensor_parallel_size == 1:
-            self.model_runner = ModelRunner(model_config, engine_config, eos_token_ids=eos or ())
-        else:
-            from paged_engine.worker.tp_worker import start_tensor_parallel
-
-            self.model_runner = start_tensor_parallel(
-                model_config, engine_config, eos_token_ids=eos or ()
-            )
-        workers = self.model_runner.workers
-        self._finalizer = weakref.finalize(self, workers.close) if workers else None
-        self.config = self.model_runner.config
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.model_runner = self.llm_engine.model_runner
+        self.tokenizer = self.llm_engine.get_tokenizer()
+        self.config = self.llm_engine.config
         """The engine config with the device's defaults filled in (by the runner)."""
-        try:
-            self.llm_engine = LLMEngine(
-                self.model_runner,
-                self.config,
-                vocab_size=model_config.vocab_size,
-                num_kvcache_blocks=self.model_runner.num_kvcache_blocks,
-                eos_token_id=eos,
-                tokenizer=cast(Tokenizer | None, self.tokenizer),
-            )
-        except BaseException:
-            self.close()
-            raise
+        self._default_sampling: dict[str, Any] | None = None
 
     def close(self) -> None:
         """End the tensor-parallel workers (if any); afterwards ``generate`` and ``chat``
         raise. Idempotent."""
         self._closed = True
-        if self._finalizer is not None:
-            self._finalizer()
+        self.llm_engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -193,19 +94,36 @@ class LLM:
         """``llm_engine`` (vLLM's name), under its earlier name."""
         return self.llm_engine
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new ``SamplingParams`` from the model's generation_config.json (``temperature``,
+        ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens`` as
+        ``max_tokens``), the plain defaults for the rest, as vLLM builds it; what
+        ``generate`` and ``chat`` use when given no params. A new record each call, so
+        changing it changes no later default. The file is read once."""
+        if self._default_sampling is None:
+            model_dir = self.llm_engine.model_config.model_dir
+            self._default_sampling = default_sampling_values(model_dir)
+        return SamplingParams(**self._default_sampling)
+
     def generate(
         self,
         prompts: object,
         sampling_params: object = None,
         *,
         use_tqdm: bool = True,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
-        """Complete one prompt or a list (text, token ids, ``{"prompt": ...}`` or
-        ``{"prompt_token_ids": ...}``, optionally with ``"cache_salt"``) with one
-        ``SamplingParams`` or a list of them (default: ``SamplingParams()``). Outputs in
-        input order. Every request is validated before any runs; see
-        ``LLMEngine.generate`` for what happens when a step fails."""
+        """Complete one prompt or a list (text, token ids, a ``TextPrompt`` ``{"prompt":
+        ...}`` or a ``TokensPrompt`` ``{"prompt_token_ids": ...}``, optionally with
+        ``"cache_salt"``) with one ``SamplingParams`` or a list of them (default:
+        ``get_default_sampling_params()``). Outputs in input order. Every request is
+        validated before any runs, its params copied (a later change to them reaches no
+        request); ``lora_request`` must be None. See ``LLMEngine.generate`` for what
+        happens when a step fails."""
         self._check_open()
+        refuse_lora(lora_request)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         return self.llm_engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat(
@@ -216,9 +134,11 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
         """Complete one conversation (a list of ``{"role", "content"}`` messages) or a list
         of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
+        refuse_lora(lora_request)
         tok = self.tokenizer
         if tok is None:
             raise ValueError("chat() needs a tokenizer; this model directory has none")
@@ -254,6 +174,3 @@ class LLM:
     def last_run_stats(self) -> RunStats | None:
         """The last ``generate``'s counters: ``print(llm.last_run_stats)`` for a summary."""
         return self.llm_engine.last_run_stats
-
-
-__all__ = ["LLM"]

@@ -1,4 +1,5 @@
-"""Per-request sampling settings, validated when built so a bad request never reaches a step.
+"""Per-request sampling settings, validated when built and again when a request is added, so
+a bad request never reaches a step.
 
 Names, defaults and ranges are vLLM's (``vllm.SamplingParams``); the differences are
 listed in ``SamplingParams``' docstring. Each field is checked by ``sampling_checks.py``;
@@ -11,7 +12,7 @@ tokenizer) is checked at admission, by ``engine/inputs.check_request``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -41,7 +42,7 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = 2
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's fields and defaults).
 
@@ -75,8 +76,18 @@ class SamplingParams:
     ``ignore_eos``, ``n`` completions per prompt, ``logprobs`` / ``prompt_logprobs`` (how
     many most likely tokens to report beside the chosen one, from the model's raw
     distribution), ``detokenize``, ``skip_special_tokens``. ``logit_bias`` is stored as
-    ``(token_id, bias)`` pairs sorted by id, so the record stays frozen and hashable.
+    ``(token_id, bias)`` pairs sorted by id (equal whatever the mapping's order).
     ``output_kind`` says what ``LLMEngine.step()`` reports while the request runs.
+    ``best_of`` is vLLM's: None or equal to ``n`` (this engine has no best-of selection,
+    so a larger one is refused naming it; a smaller one is refused as vLLM refuses it).
+
+    Mutable, as vLLM's: scripts set fields after construction (``params.max_tokens = 10``).
+    Why validation runs twice: construction checks and normalises every field, but a
+    field set afterwards is checked only when the request is added. ``add_request`` and
+    ``generate`` take a private copy (``clone``), built and so validated again, and queue
+    that: a bad value set after construction is refused there with the same
+    ``InvalidRequestError`` naming the field (nothing is queued), and a change the user
+    makes after adding a request never reaches it. The record is therefore not hashable.
 
     Unlike vLLM: booleans are never ints (``logprobs=True`` is refused, not 1), ``-1`` is
     not "the whole vocabulary" for ``logprobs``, a seed of -1 is a seed, temperatures
@@ -110,6 +121,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         t = check.finite_float("temperature", self.temperature)
@@ -117,7 +129,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 "temperature", f"temperature must be >= 0, got {self.temperature!r}"
             )
-        self._set("temperature", t)
+        self.temperature = t
         if self.top_k is not None:
             k = check.integer("top_k", self.top_k)
             if k < -1:
@@ -125,12 +137,12 @@ class SamplingParams:
                     "top_k", f"top_k must be None, 0 or -1 (disabled) or >= 1, got {k!r}"
                 )
             if k <= 0:
-                self._set("top_k", None)
+                self.top_k = None
         p = check.finite_float("top_p", self.top_p)
         if not 0 < p <= 1:
             raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        self._set("top_p", p)
-        self._set("min_p", check.float_in("min_p", self.min_p, 0.0, 1.0))
+        self.top_p = p
+        self.min_p = check.float_in("min_p", self.min_p, 0.0, 1.0)
         if self.max_tokens is not None and check.integer("max_tokens", self.max_tokens) < 1:
             raise InvalidRequestError(
                 "max_tokens", f"max_tokens must be None or >= 1, got {self.max_tokens!r}"
@@ -150,15 +162,16 @@ class SamplingParams:
             raise InvalidRequestError(
                 "n", f"n must be 1 for greedy sampling (temperature 0), got {self.n}"
             )
+        self._check_best_of()
         for name in ("presence_penalty", "frequency_penalty"):
-            self._set(name, check.float_in(name, getattr(self, name), -2.0, 2.0))
+            setattr(self, name, check.float_in(name, getattr(self, name), -2.0, 2.0))
         r = check.finite_float("repetition_penalty", self.repetition_penalty)
         if r <= 0:
             raise InvalidRequestError(
                 "repetition_penalty",
                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
             )
-        self._set("repetition_penalty", r)
+        self.repetition_penalty = r
         for name in (
             "ignore_eos",
             "include_stop_str_in_output",
@@ -166,27 +179,45 @@ class SamplingParams:
             "skip_special_tokens",
         ):
             check.boolean(name, getattr(self, name))
-        self._set("stop_token_ids", check.token_ids("stop_token_ids", self.stop_token_ids))
-        self._set("stop", check.strings("stop", self.stop))
+        self.stop_token_ids = check.token_ids("stop_token_ids", self.stop_token_ids)
+        self.stop = check.strings("stop", self.stop)
         if self.stop and not self.detokenize:
             raise InvalidRequestError(
                 "stop", "stop strings need detokenize=True (they match the text)"
             )
-        self._set("logprobs", check.optional_count("logprobs", self.logprobs))
-        self._set("prompt_logprobs", check.optional_count("prompt_logprobs", self.prompt_logprobs))
-        self._set("logit_bias", check.logit_bias(self.logit_bias))
+        self.logprobs = check.optional_count("logprobs", self.logprobs)
+        self.prompt_logprobs = check.optional_count("prompt_logprobs", self.prompt_logprobs)
+        self.logit_bias = check.logit_bias(self.logit_bias)
         if self.seed is not None:
             check.integer("seed", self.seed)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestTypeError(
                 "output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"
             )
-        self._set("allowed_token_ids", check.allowed_token_ids(self.allowed_token_ids))
-        self._set("bad_words", check.strings("bad_words", self.bad_words))
-        self._set("bad_words_token_ids", check.word_token_ids(self.bad_words_token_ids))
+        self.allowed_token_ids = check.allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = check.strings("bad_words", self.bad_words)
+        self.bad_words_token_ids = check.word_token_ids(self.bad_words_token_ids)
 
-    def _set(self, name: str, value: object) -> None:
-        object.__setattr__(self, name, value)
+    def _check_best_of(self) -> None:
+        """vLLM accepts None or ``best_of >= n``; without best-of selection only ``n``
+        itself means the same here."""
+        if self.best_of is None:
+            return
+        b = check.integer("best_of", self.best_of)
+        if b < self.n:
+            raise InvalidRequestError("best_of", f"best_of must be >= n={self.n}, got {b}")
+        if b > self.n:
+            raise InvalidRequestError(
+                "best_of",
+                f"best_of={b} > n={self.n} is not supported: this engine has no best-of "
+                "selection; set best_of to None or n",
+            )
+
+    def clone(self) -> SamplingParams:
+        """A copy built from the current fields, so validated and normalised again (a
+        field set to a bad value since construction raises ``InvalidRequestError`` naming
+        it). The engine queues such a copy, never the caller's object."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:

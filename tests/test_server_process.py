@@ -6,6 +6,7 @@ within its bounded time, under load too (``shutdown_timeout + SHUTDOWN_BOUND_S``
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,12 +69,20 @@ def test_serve_help_shows_the_server_flags_and_defaults(
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def untemplated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model without the chat template ``make_tiny_model`` writes."""
+    path = Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("untemplated") / "m"))
+    (path / "chat_template.jinja").unlink()
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(untemplated: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """One server process for the module (its start costs seconds); the SIGTERM test,
     last, ends it."""
     flags = ["--max-queue", "4", "--shutdown-timeout", "0.5", "--max-model-len", "2048"]
     flags += ["--num-kv-blocks", "2048"]
-    with serve_process(tiny_model_dir, *flags, env={"PAGED_ENGINE_API_KEY": KEY}) as served:
+    with serve_process(untemplated, *flags, env={"PAGED_ENGINE_API_KEY": KEY}) as served:
         yield served
 
 

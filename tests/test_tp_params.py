@@ -70,6 +70,7 @@ SPECIAL: dict[str, Any] = {
     "top_k": 3,  # 0 and -1 mean "off" and are stored as None, the default
     "max_tokens": 1,  # None would run to max_model_len
     "temperature": 0.0,  # falsy: greedy
+    "best_of": 1,  # None or n: 0 is refused
 }
 
 

@@ -18,23 +18,50 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from paged_engine.config import EngineConfig
 from paged_engine.engine.indexing import num_blocks
 from paged_engine.engine.request_limits import (
     MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     check_strings,
     in_vocab,
+    logprobs_bound,
     with_bad_words,
 )
 from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
 from paged_engine.sampling_params import SamplingParams
 
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+class _TextPromptKeys(TypedDict):
+    prompt: str
+
+
+class TextPrompt(_TextPromptKeys, total=False):
+    """vLLM's text prompt: ``{"prompt": "..."}``, optionally with ``"cache_salt"`` (a
+    string that isolates the request's prefix-cache entries from other salts'). A plain
+    dict at run time: ``generate``, ``add_request`` and ``chat``'s prompts take either."""
+
+    cache_salt: str
+
+
+class _TokensPromptKeys(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class TokensPrompt(_TokensPromptKeys, total=False):
+    """vLLM's token prompt: ``{"prompt_token_ids": [...]}``, optionally with
+    ``"cache_salt"`` and the ``"prompt"`` text the ids came from (reported back as the
+    output's ``prompt``; the ids are what runs)."""
+
+    prompt: str
+    cache_salt: str
+
+
+_PROMPT_KEYS = frozenset(TextPrompt.__annotations__) | frozenset(TokensPrompt.__annotations__)
+"""Every key a prompt dict may hold: the two TypedDicts' (anything else is refused)."""
 
 
 class Tokenizer(Protocol):
@@ -147,12 +174,23 @@ def _check_tokens(tokens: list[Any], vocab_size: int, field: str, where: str) ->
 
 
 def parse_params(params: object, where: str) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    if isinstance(params, dict):
-        return SamplingParams.from_dict(params)
+    """The request's own ``SamplingParams``: a new record, never the caller's object.
+
+    Why a copy: ``SamplingParams`` is mutable (as vLLM's), so a field may have been set
+    to a bad value after construction, and the caller may change the object again once
+    the request runs. Building a copy validates every field again (the refusal names the
+    field and ``where``), and the copy is the engine's alone."""
+    try:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, SamplingParams):
+            return params.clone()
+        if isinstance(params, dict):
+            return SamplingParams.from_dict(params)
+    except InvalidRequestError as e:
+        if where and not e.where:
+            raise type(e)(e.field, e.reason, where) from None
+        raise
     raise InvalidRequestTypeError(
         "sampling_params",
         f"sampling params must be SamplingParams or a dict, got {params!r}",
@@ -207,10 +245,11 @@ def check_request(
             "max_tokens",
             f"the request needs {need} KV blocks at full length but the pool has {pool_blocks}",
         )
+    most, bound = logprobs_bound(config.max_logprobs, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
-        if k is not None and k > MAX_LOGPROBS:
-            raise refuse(name, f"{name}={k} is more than the {MAX_LOGPROBS} allowed")
+        if k is not None and k > most:
+            raise refuse(name, f"{name}={k} is more than the {most} allowed ({bound})")
     check_strings(params.stop, "stop", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, refuse)
     if params.stop and not has_tokenizer:
         raise refuse("stop", "stop strings need a tokenizer (use stop_token_ids)")

@@ -15,27 +15,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TypedDict
 
 from paged_engine.engine.detokenizer import Detokenizer, IncrementalDetokenizer
 from paged_engine.engine.outputs import TokenLogprobs
 from paged_engine.engine.sequence import Sequence
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
-
-
-class TextPrompt(TypedDict, total=False):
-    """vLLM's text prompt: ``{"prompt": "...", "cache_salt": "..."}``."""
-
-    prompt: str
-    cache_salt: str
-
-
-class TokensPrompt(TypedDict, total=False):
-    """vLLM's token prompt: ``{"prompt_token_ids": [...], "cache_salt": "..."}``."""
-
-    prompt_token_ids: list[int]
-    prompt: str
-    cache_salt: str
 
 
 @dataclass(frozen=True, slots=True)

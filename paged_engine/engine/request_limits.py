@@ -18,7 +18,8 @@ from paged_engine.errors import InvalidRequestError
 from paged_engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
-"""The most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default)."""
+"""The most ``logprobs`` / ``prompt_logprobs`` a request may ask for by default
+(``EngineConfig.max_logprobs``, vLLM's default)."""
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 """Stop strings per request, and characters per stop string. Each step searches the new
@@ -61,6 +62,18 @@ def check_strings(
                 f"{field} holds a string of {len(s)} characters, more than the {chars} "
                 f"allowed: {s[:40]!r}...",
             )
+
+
+def logprobs_bound(max_logprobs: int, vocab_size: int | None) -> tuple[int, str]:
+    """The most ``logprobs`` / ``prompt_logprobs`` a request may ask for, and what sets it:
+    ``max_logprobs`` (-1: no bound of its own), never more than the vocabulary (a top-k
+    beyond it does not exist, and would fail inside a step)."""
+    limit = max_logprobs if max_logprobs >= 0 else None
+    if vocab_size is not None and (limit is None or vocab_size < limit):
+        return vocab_size, "the vocabulary size"
+    if limit is None:
+        return 2**63 - 1, "max_logprobs=-1"
+    return limit, "max_logprobs"
 
 
 def in_vocab(field: str, ids: SequenceABC[int], vocab_size: int, refuse: Refuse) -> None:

@@ -19,6 +19,7 @@ from paged_engine.entrypoints.cli_args import (
     positive,
 )
 from paged_engine.entrypoints.demo import cmd_demo
+from paged_engine.entrypoints.interrupts import INTERRUPTED, Interrupts
 from paged_engine.entrypoints.serve_cli import add_serve_parser, check_serve_args
 from paged_engine.sampling_params import SamplingParams
 
@@ -43,13 +44,23 @@ def _sampling(a: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _progress(line: str) -> None:
+    """A stage of a command that takes seconds, on stderr (stdout keeps the result)."""
+    print(f"{line} ...", file=sys.stderr, flush=True)
+
+
 def cmd_make_tiny_model(a: argparse.Namespace) -> int:
     from paged_engine.utils.tiny_model import make_tiny_model
 
     path = make_tiny_model(
-        a.dir, seed=a.seed, num_layers=a.layers, hidden_size=a.hidden_size, num_shards=a.shards
+        a.dir,
+        seed=a.seed,
+        num_layers=a.layers,
+        hidden_size=a.hidden_size,
+        num_shards=a.shards,
+        progress=_progress,
     )
-    print(f"wrote a tiny random Qwen3 (and its tokenizer) to {path}")
+    print(f"wrote a tiny random Qwen3 (and its tokenizer, with a chat template) to {path}")
     return 0
 
 
@@ -128,10 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     """Run a command. Bad flags, including engine and sampling settings (checked by
     building ``EngineConfig`` and ``SamplingParams`` before any model loads), exit through
     argparse (``SystemExit(2)``, the message naming the flag); an error found later, by
-    the model or a request, is printed and returns 2."""
+    the model or a request, is printed and returns 2. Ctrl-C, wherever it lands, prints
+    one line ("interrupted") on stderr and returns ``INTERRUPTED``: a traceback there
+    would only say where the user happened to press it."""
+    with Interrupts(process_ends=argv is None) as interrupts:
+        try:
+            return _run(argv, interrupts)
+        except KeyboardInterrupt:
+            pass
+        except Exception:
+            if not interrupts.pressed:
+                raise
+    print("interrupted", file=sys.stderr, flush=True)
+    logging.disable(logging.CRITICAL)  # the one line: no library's log at exit after it
+    return INTERRUPTED
+
+
+def _run(argv: list[str] | None, interrupts: Interrupts) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.command == "make-tiny-model":
+        _progress("loading torch and transformers")
+        interrupts.preload()
         return int(args.fn(args))
     try:
         fields = engine_fields(args)
@@ -141,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             check_serve_args(args)
     except (ValueError, TypeError) as e:
         args.parser.error(flag_message(e))
+    if args.command != "serve":  # serve's API process may never need torch
+        interrupts.preload()
     try:
         return int(args.fn(args, fields, params))
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:

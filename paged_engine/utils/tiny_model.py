@@ -12,6 +12,7 @@ rarely so small that float noise could flip an argmax.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,16 @@ import torch
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|bos|>", "<|pad|>")
 """eos, bos, pad (eos first, so it is id 0)."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|bos|>{{ message['role'] }}\n{{ message['content'] }}<|endoftext|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+"""ChatML's shape over the tokenizer's own special tokens: each turn opens with ``<|bos|>``
+and its role and closes with the eos, so an answer ends where the model emits eos. Why
+these tokens: new ones would change the vocabulary, and with it every weight drawn."""
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
@@ -74,7 +85,8 @@ def train_tokenizer(vocab_size: int = 768) -> Any:
     """Byte-level BPE trained on ``CORPUS``, wrapped as a ``PreTrainedTokenizerFast``.
 
     Byte-level, so any text round-trips even where the small vocabulary has no merge for it.
-    Deterministic: BPE training on a fixed corpus has no randomness.
+    Deterministic: BPE training on a fixed corpus has no randomness. It carries
+    ``CHAT_TEMPLATE``, so ``LLM.chat`` runs on the tiny model.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -90,9 +102,11 @@ def train_tokenizer(vocab_size: int = 768) -> Any:
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
     eos, bos, pad = SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=pad
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 LINEAR_GAIN = 2.0
@@ -164,6 +178,7 @@ def make_tiny_model(
     rope_parameters: dict[str, Any] | None = None,
     architecture: str = "Qwen3ForCausalLM",
     config_overrides: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Write a random float32 model of ``architecture`` (transformers' class of that name)
     and its tokenizer to ``out_dir``; ``config_overrides`` sets further config keys
@@ -172,13 +187,17 @@ def make_tiny_model(
     ``vocab_size`` is the BPE training target; the model's vocabulary is the trained
     tokenizer's actual size (``len(tokenizer)``), and ``eos_token_id`` its eos id.
     ``num_shards > 1`` writes that many safetensors files plus their index. Deterministic
-    for a given seed (the caller's global RNG state is left untouched). Returns the path.
+    for a given seed (the caller's global RNG state is left untouched). ``progress`` is
+    called with a line before each stage (the CLI prints them: the stages take seconds).
+    Returns the path.
     """
+    say = progress or (lambda line: None)
     import transformers
 
     model_cls = getattr(transformers, architecture)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    say(f"training the tokenizer (byte-level BPE, vocabulary {vocab_size})")
     tokenizer = train_tokenizer(vocab_size)
     settings: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
@@ -198,11 +217,13 @@ def make_tiny_model(
         dtype="float32",
     )
     config = model_cls.config_class(**(settings | (config_overrides or {})))
+    say(f"building a random {architecture} ({num_layers} layers, hidden size {hidden_size})")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # transformers' own init draws from the global RNG
         model = model_cls(config).float().eval()
     _randomize(model, seed)
     shard_size = _max_shard_size(model.state_dict(), num_shards) if num_shards > 1 else "50GB"
+    say(f"writing the weights and the tokenizer to {out}")
     model.save_pretrained(out, max_shard_size=shard_size)
     written = sorted(out.glob("*.safetensors"))
     if len(written) != num_shards:
