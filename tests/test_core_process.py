@@ -192,3 +192,28 @@ def test_a_core_that_cannot_load_raises_what_llm_raises(tmp_path: Path) -> None:
         core.launch()
     assert err.value.path == str(tmp_path / "config.json")
     assert not core.alive
+
+
+def test_an_aborted_request_leaves_no_stream_behind() -> None:
+    """An abort ends a request with no event, only the observer's ``ended``: the client
+    must drop the stream there (a disconnect leaked it), and only for "aborted" (a
+    finished request's last event comes after its ``ended``)."""
+    import asyncio
+    import concurrent.futures
+
+    from paged_engine.entrypoints.core_client import _Stream
+
+    core = CoreClient(CoreSpec("unused"))
+    core._streams[0] = _Stream(asyncio.Queue(), {"a", "b"})
+    core._streams[1] = _Stream(asyncio.Queue(), {"c"})
+    core._handle(("observe", "ended", ("c", "finished")))
+    assert set(core._streams) == {0, 1}
+    core._handle(("observe", "ended", ("a", "aborted")))
+    assert core._streams[0].open_ids == {"b"}
+    core._handle(("observe", "ended", ("b", "aborted")))
+    assert set(core._streams) == {1}
+    cancelled: concurrent.futures.Future[None] = concurrent.futures.Future()
+    cancelled.cancel()  # its submit went away: the late answer must not raise
+    core._adds[1] = cancelled
+    core._handle(("added", 1, None))
+    assert cancelled.cancelled()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from paged_engine.entrypoints.core_process import CoreInfo, CoreSpec, core_main
+from paged_engine.entrypoints.core_process import CoreInfo, CoreSpec, core_main, end_process
 from paged_engine.entrypoints.engine_loop import _deliver
 from paged_engine.entrypoints.loop_types import (
     EngineSnapshot,
@@ -107,10 +107,10 @@ class CoreClient:
             process.join(KILL_WAIT_S)
             message = ("failed", RuntimeError(self._died_why(process)))
         except BaseException:
-            _end(process, 0.0)
+            end_process(process, 0.0)
             raise
         if message[0] != "ready":  # what refused the model, as LLM(...) would raise it
-            _end(process, KILL_WAIT_S)
+            end_process(process, KILL_WAIT_S)
             raise message[1]
         self._process, self._conn, self.info, self.fatal = process, parent, message[1], None
         return self.info
@@ -172,13 +172,15 @@ class CoreClient:
         return sink
 
     def abort(self, request_ids: list[str] | tuple[str, ...]) -> None:
-        if request_ids and self.alive:
-            self._send(("abort", tuple(request_ids)))
+        if request_ids and self.alive:  # a core gone meanwhile: nothing is left to abort
+            with contextlib.suppress(EngineUnavailable):
+                self._send(("abort", tuple(request_ids)))
 
     def begin_shutdown(self, grace_s: float) -> None:
         self._draining = True
         if self.alive:
-            self._send(("drain", grace_s))
+            with contextlib.suppress(EngineUnavailable):
+                self._send(("drain", grace_s))
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Ask the core to end (it fails what is in flight, 503), then make sure it did."""
@@ -188,7 +190,7 @@ class CoreClient:
         if self.alive:
             with contextlib.suppress(OSError, EngineUnavailable):
                 self._send(("stop",))
-        ended = _end(self._process, timeout)
+        ended = end_process(self._process, timeout)
         if self._reader is not None:
             self._reader.join(KILL_WAIT_S)
         return ended
@@ -210,7 +212,10 @@ class CoreClient:
                 if self._core_died():
                     continue  # a new core serves
                 return
-            self._handle(message)
+            try:  # the reader must outlive any one bad message, or every stream hangs
+                self._handle(message)
+            except Exception:
+                log.exception("the engine core's message %r could not be handled", message[0])
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -219,7 +224,7 @@ class CoreClient:
         elif kind == "added":
             with self._lock:
                 done = self._adds.pop(message[1], None)
-            if done is not None:
+            if done is not None and not done.done():  # done: its submit was cancelled
                 if message[2] is None:
                     done.set_result(None)
                 else:
@@ -229,6 +234,8 @@ class CoreClient:
         elif kind == "snapshot":
             self.snapshot = message[1]
         elif kind == "observe":
+            if message[1:2] == ("ended",) and message[2][1] == "aborted":  # no event ends it
+                self._forget(message[2][0])
             getattr(self.observer, message[1])(*message[2])
         elif kind == "fatal":
             self.fatal = message[1]
@@ -246,6 +253,13 @@ class CoreClient:
                     if not stream.open_ids:
                         del self._streams[key]
         self._post(batch)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:  # an aborted request's stream, once none of its requests is left
+            for key in [k for k, st in self._streams.items() if request_id in st.open_ids]:
+                self._streams[key].open_ids.discard(request_id)
+                if not self._streams[key].open_ids:
+                    del self._streams[key]
 
     def _post(self, batch: list[tuple[asyncio.Queue[Event], Event]]) -> None:
         if batch and self._aloop is not None:
@@ -266,7 +280,8 @@ class CoreClient:
             streams, self._streams = self._streams, {}
             adds, self._adds = self._adds, {}
         for done in adds.values():
-            done.set_exception(EngineUnavailable(why))
+            if not done.done():
+                done.set_exception(EngineUnavailable(why))
         self._post(
             [(s.sink, RequestFailed(r, why, 500)) for s in streams.values() for r in s.open_ids]
         )
@@ -281,17 +296,3 @@ class CoreClient:
         if self.on_death is not None:
             self.on_death(self.fatal)
         return False
-
-
-def _end(process: Any, timeout: float) -> bool:
-    """Wait for ``process``; terminate, then kill it after the bound. True if it ended
-    within ``timeout`` by itself."""
-    process.join(timeout)
-    if not process.is_alive():
-        return True
-    process.terminate()
-    process.join(KILL_WAIT_S)
-    if process.is_alive():
-        process.kill()
-        process.join(KILL_WAIT_S)
-    return False

@@ -202,3 +202,17 @@ def _read_commands(conn: Any, loop: CoreLoop) -> None:
             return
         else:
             log.error("unknown command %r from the API process", kind)
+
+
+def end_process(process: Any, timeout: float, kill_wait_s: float = 2.0) -> bool:
+    """Wait for ``process``; terminate, then kill it after the bound. True if it ended
+    within ``timeout`` by itself."""
+    process.join(timeout)
+    if not process.is_alive():
+        return True
+    process.terminate()
+    process.join(kill_wait_s)
+    if process.is_alive():
+        process.kill()
+        process.join(kill_wait_s)
+    return False
