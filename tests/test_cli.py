@@ -252,7 +252,7 @@ def test_help_describes_every_flag_with_its_default(
     capsys: pytest.CaptureFixture[str],
     command: str,
 ) -> None:
-    monkeypatch.setenv("PAGED_ENGINE_CACHE", "/cache/root")
+    monkeypatch.setenv("PAGED_ENGINE_CACHE_DIR", "/cache/root")
     monkeypatch.setenv("COLUMNS", "100")
     entries = help_entries([command], capsys)
     expected = HELP_DEFAULTS[command]

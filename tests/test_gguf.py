@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -376,13 +377,20 @@ def test_crashes_leave_nothing_that_is_reused(
     out = gguf_convert.GGUFSource.of(llama[1]).cache_dir
     from paged_engine.utils import gguf_weights
 
-    def crash(*args: Any) -> None:
+    temps: list[str] = []
+
+    def crash(header: Any, tmp: Path) -> None:
+        temps.append(tmp.name)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(gguf_weights, "write_safetensors", crash)
     with pytest.raises(KeyboardInterrupt):
         gguf_convert.resolve_model_path(llama[1])
     assert _files(cache / "gguf") == []  # its temporary directory went too
+    # named with this host and process, as the reaper reads it (tests/test_gguf_cache.py)
+    stem = gguf_convert._temp_stem(out)
+    named = rf"{re.escape(stem)}-{os.getpid()}-[^-]+"
+    assert len(temps) == 1 and re.fullmatch(named, temps[0]), temps
     monkeypatch.undo()
     monkeypatch.setenv(gguf_convert.CACHE_ENV, str(cache))
     # a killed process's temporary directory, and a half directory in the final place
@@ -392,7 +400,7 @@ def test_crashes_leave_nothing_that_is_reused(
         text=True,
         check=True,
     ).stdout.strip()
-    stale = cache / "gguf" / f".{out.name}.tmp-{dead}-x"
+    stale = cache / "gguf" / f"{stem}-{dead}-x"
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")
     out.mkdir()

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from paged_engine.config import EngineConfig
@@ -22,13 +20,7 @@ from paged_engine.entrypoints.demo import cmd_demo
 from paged_engine.entrypoints.interrupts import INTERRUPTED, Interrupts
 from paged_engine.entrypoints.serve_cli import add_serve_parser, check_serve_args
 from paged_engine.sampling_params import SamplingParams
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("PAGED_ENGINE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "paged_engine"
-    )
-    return Path(root)
+from paged_engine.utils.gguf_convert import cache_root
 
 
 def _sampling(a: argparse.Namespace) -> SamplingParams:
@@ -123,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tiny", action="store_true", help="the tiny random model, not SmolLM2")
     p.add_argument(
-        "--cache-dir", default=str(default_cache_dir()), help="where the tiny model goes"
+        "--cache-dir",
+        default=str(cache_root()),
+        help="where the tiny model goes; $PAGED_ENGINE_CACHE_DIR, the engine's one cache, sets "
+        "the default",
     )
     p.add_argument("--requests", type=positive, default=32, help="requests (at most 32)")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens each")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from pydantic import TypeAdapter, ValidationError
@@ -45,6 +45,16 @@ from paged_engine.entrypoints.serving import RequestError, validation_error
 from paged_engine.entrypoints.tokenize_pool import TokenizePool
 
 T = TypeVar("T")
+
+
+class _ForAModel(Protocol):
+    """A tokenizer route's body: each names the model it is for, or None for the served one."""
+
+    @property
+    def model(self) -> str | None: ...
+
+
+B = TypeVar("B", bound=_ForAModel)
 
 _TOKENIZE_BODY: TypeAdapter[TokenizeCompletionRequest | TokenizeChatRequest] = TypeAdapter(
     TokenizeRequest
@@ -101,12 +111,7 @@ class TokenizeRoutes:
     # ---- the routes ---------------------------------------------------------------------
 
     async def tokenize(self, request: Request) -> TokenizeResponse:
-        raw = await read_body(request, self.max_request_body_bytes)
-        try:
-            body = _TOKENIZE_BODY.validate_json(raw)
-        except ValidationError as e:
-            raise validation_error(e) from None
-        self._check_model(body.model)
+        body = await self._body(request, _TOKENIZE_BODY.validate_json)
         if isinstance(body, TokenizeChatRequest):
             encode, param = self._chat_encoder(body), "messages"
         else:
@@ -123,12 +128,7 @@ class TokenizeRoutes:
         )
 
     async def detokenize(self, request: Request) -> DetokenizeResponse:
-        raw = await read_body(request, self.max_request_body_bytes)
-        try:
-            body = DetokenizeRequest.model_validate_json(raw)
-        except ValidationError as e:
-            raise validation_error(e) from None
-        self._check_model(body.model)
+        body = await self._body(request, DetokenizeRequest.model_validate_json)
         self._need_tokenizer("tokens")
         tokens, top = body.tokens, self.max_token_id
         bad = next(
@@ -147,10 +147,18 @@ class TokenizeRoutes:
 
     # ---- checks and work ----------------------------------------------------------------
 
-    def _check_model(self, name: str | None) -> None:
-        """An omitted ``model`` is the served one (as in vLLM); another is a 404."""
-        if name is not None:
-            check_model(name, self.served_model_name)
+    async def _body(self, request: Request, parse: Callable[[bytes], B]) -> B:
+        """The request's body, parsed, after the refusals both routes make before any work:
+        a body over the size limit, a field that does not validate (400 naming it), another
+        model than the served one (404; an omitted ``model`` is the served one, as in vLLM)."""
+        raw = await read_body(request, self.max_request_body_bytes)
+        try:
+            body = parse(raw)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if body.model is not None:
+            check_model(body.model, self.served_model_name)
+        return body
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:

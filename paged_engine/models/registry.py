@@ -17,7 +17,15 @@ from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.qwen2 import Qwen2ForCausalLM
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["MODELS", "MODEL_TYPES", "REFUSED", "REQUIRED_KEYS", "class_for_config", "model_class"]
+__all__ = [
+    "MODELS",
+    "MODEL_TYPES",
+    "REFUSED",
+    "REQUIRED_KEYS",
+    "SHAPE_KEYS",
+    "class_for_config",
+    "model_class",
+]
 
 MODELS: Mapping[str, type[DecoderForCausalLM]] = MappingProxyType(
     {
@@ -35,7 +43,7 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType(
 )
 """A config that lists no ``architectures`` is taken by its ``model_type``."""
 
-_SHAPE_KEYS = (
+SHAPE_KEYS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -43,12 +51,14 @@ _SHAPE_KEYS = (
     "num_attention_heads",
     "num_key_value_heads",
 )
+"""The sizes every family's tensors take their shapes from (``model_config.SIZE_FIELDS``
+extends them: one list, so a size required here is also checked there)."""
 REQUIRED_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
-        "LlamaForCausalLM": _SHAPE_KEYS,
-        "MistralForCausalLM": _SHAPE_KEYS,
-        "Qwen2ForCausalLM": _SHAPE_KEYS,
-        "Qwen3ForCausalLM": (*_SHAPE_KEYS, "head_dim"),
+        "LlamaForCausalLM": SHAPE_KEYS,
+        "MistralForCausalLM": SHAPE_KEYS,
+        "Qwen2ForCausalLM": SHAPE_KEYS,
+        "Qwen3ForCausalLM": (*SHAPE_KEYS, "head_dim"),
     }
 )
 """Keys config.json must set because they fix tensor shapes and transformers' defaults

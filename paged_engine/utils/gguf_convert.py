@@ -3,23 +3,21 @@ that directory is what every part of the engine loads (config, tokenizer, weight
 tensor-parallel workers), unchanged. The engine has no quantized path; the weights are
 dequantized (``gguf_weights``), so a 4-bit file is served at float32's size.
 
-**What is written.** ``config.json`` is transformers' own reading of the file
-(``AutoConfig``), with ``architectures``, ``dtype`` and every size the engine requires
-set explicitly and no ``quantization_config`` (the weights are no longer quantized);
-``generation_config.json`` holds the file's bos/eos ids (its end-of-turn ids too, which
-llama.cpp also stops at); the tokenizer is transformers' reading of the file, saved with
-its chat template; the weights are those transformers loads from the file, tensor for
-tensor.
+**What is written.** ``config.json`` is transformers' own reading of the file (``AutoConfig``),
+with ``architectures``, ``dtype`` and every size the engine requires set explicitly and no
+``quantization_config`` (the weights are no longer quantized); ``generation_config.json``
+holds the file's bos/eos ids (its end-of-turn ids too, which llama.cpp also stops at); the
+tokenizer is transformers' reading of the file, saved with its chat template; the weights
+are those transformers loads from the file, tensor for tensor.
 
-**The cache.** ``$PAGED_ENGINE_CACHE_DIR`` (else ``$XDG_CACHE_HOME/paged_engine``, else
-``~/.cache/paged_engine``), under ``gguf/<stem>-<key>``, where the key hashes the file's
+**The cache.** ``cache_root()/gguf/<stem>-<key>``, where the key hashes the file's
 resolved path, size and modification time and ``CONVERTER_VERSION``: an edited file, or a
 converter that writes differently, gets a new directory. Every refusal the header allows
 (``gguf_file.read_gguf_header``, then the config and tokenizer) comes before anything is
 written. The directory is written under a temporary name beside it and renamed into place
 with its ``gguf_source.json`` last inside, so a crashed or concurrent conversion never
 leaves a half directory that is reused; a crashed one's temporary directory is removed by
-the next conversion of the file once its process is gone.
+the next conversion of the file (``_remove_stale_temps``: the cache may be shared by hosts).
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -49,15 +48,19 @@ CONVERTER_VERSION = 1
 CACHE_ENV = "PAGED_ENGINE_CACHE_DIR"
 SOURCE_FILE = "gguf_source.json"
 """Written last into a converted directory: its presence marks the directory complete."""
+_UNSAFE = re.compile(r"[^\w.-]")
 _DROPPED_KEYS = ("_model_name_or_path", "_name_or_path", "quantization_config", "torch_dtype")
+STALE_TEMP_AGE_S = 24 * 3600
+"""A temporary directory not written for this long (its newest mtime, files included) is
+removed whoever wrote it: the only sign of another host's crash, as its pids mean nothing
+here (a cache on NFS). Generous, since a conversion writes for minutes and clocks differ."""
 
 
 def cache_root() -> Path:
-    """Where converted models go (see the module docstring)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+    """The engine's one cache, ``$PAGED_ENGINE_CACHE_DIR`` (else ``paged_engine`` in
+    ``$XDG_CACHE_HOME`` or ``~/.cache``): GGUF conversions and the demo's tiny model go in it."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "paged_engine"
+    return Path(os.environ.get(CACHE_ENV) or Path(base) / "paged_engine")
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,7 +81,7 @@ class GGUFSource:
         """This file's converted directory (which may not exist yet)."""
         text = f"{self.path}\n{self.size}\n{self.mtime_ns}\n{CONVERTER_VERSION}"
         digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-        stem = re.sub(r"[^\w.-]", "_", self.path.stem)[:80]
+        stem = _UNSAFE.sub("_", self.path.stem)[:80]
         return cache_root() / "gguf" / f"{stem}-{digest}"
 
 
@@ -123,7 +126,7 @@ def _converted(path: Path) -> Path:
     start = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_stem(out)}-{os.getpid()}-", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0o700 would keep a shared cache from other users
         from paged_engine.utils.gguf_weights import write_safetensors
@@ -166,18 +169,38 @@ def _publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _temp_stem(out: Path) -> str:
+    """``out``'s temporary directories here are ``<stem>-<pid>-<random>``: a pid is per host."""
+    return f".{out.name}.tmp-{_UNSAFE.sub('_', socket.gethostname())[:64]}"
+
+
 def _remove_stale_temps(out: Path) -> None:
-    """Remove temporary directories of this conversion whose process is gone (a crash)."""
+    """Remove ``out``'s temporary directories left by a crash: this host's whose process is
+    gone, any host's older than ``STALE_TEMP_AGE_S`` (another host's pid may be free here)."""
+    this_host = re.compile(rf"{re.escape(_temp_stem(out))}-(\d+)-[^-]*")
     for tmp in out.parent.glob(f".{out.name}.tmp-*"):
-        m = re.fullmatch(rf"\.{re.escape(out.name)}\.tmp-(\d+)-.*", tmp.name)
-        if m is None or int(m[1]) == os.getpid():
-            continue
-        try:
-            os.kill(int(m[1]), 0)
-        except ProcessLookupError:
+        m = this_host.fullmatch(tmp.name)
+        if (m and _no_process(int(m[1]))) or _age_s(tmp) > STALE_TEMP_AGE_S:
             shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            continue  # alive, under another user
+
+
+def _no_process(pid: int) -> bool:
+    """Whether this host has no process ``pid`` (ours, or another user's, is alive)."""
+    try:
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, under another user
+        return False
+
+
+def _age_s(directory: Path) -> float:
+    """Seconds since ``directory`` or a file in it was written (0 once it is gone)."""
+    try:
+        return time.time() - max(p.stat().st_mtime for p in [directory, *directory.iterdir()])
+    except OSError:
+        return 0.0
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

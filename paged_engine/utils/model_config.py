@@ -36,6 +36,7 @@ from paged_engine.models.registry import (
     MODELS,
     REFUSED,
     REQUIRED_KEYS,
+    SHAPE_KEYS,
     architecture_of,
     model_class,
 )
@@ -49,17 +50,9 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
-SIZE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-)
-"""Fields that must be ints >= 1."""
+SIZE_FIELDS = (*SHAPE_KEYS, "head_dim", "max_position_embeddings")
+"""Fields that must be ints >= 1 where a config sets them: the shape keys
+(``registry.SHAPE_KEYS``), ``head_dim`` and ``max_position_embeddings``."""
 DTYPE_KEYS = ("dtype", "torch_dtype")
 """Where a config declares the checkpoint's dtype (``torch_dtype``: transformers < 4.56)."""
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
