@@ -37,6 +37,8 @@ import sys
 from collections.abc import Sequence as SequenceABC
 from typing import Any, Protocol
 
+from paged_engine.sampling_params import SamplingParams
+
 _FFFD = "\ufffd"
 
 
@@ -221,3 +223,43 @@ def find_stop(text: str, new_chars: int, stops: SequenceABC[str]) -> tuple[str, 
         if i != -1 and (best is None or i < best[1] or (i == best[1] and len(stop) > len(best[0]))):
             best = (stop, i)
     return best
+
+
+def tokens_with_text(
+    n: int, finish_reason: str | None, stop_reason: int | str | None, params: SamplingParams
+) -> int:
+    """How many of a completion's ``n`` tokens have text: all but the token that ended it,
+    an EOS or a stop token, unless ``include_stop_str_in_output`` (vLLM's rule). Shared
+    with the API process's half of the pipeline (``entrypoints/core_outputs.py``)."""
+    if (
+        finish_reason == "stop"
+        and not isinstance(stop_reason, str)
+        and not params.include_stop_str_in_output
+    ):
+        return n - 1
+    return n
+
+
+def stop_string_cut(
+    params: SamplingParams,
+    text: str,
+    searched_chars: int,
+    num_tokens: int,
+    finish_reason: str | None,
+) -> tuple[str, int] | None:
+    """The stop string that ends a completion whose text is now ``text`` (its first
+    ``searched_chars`` searched before), and where its text then ends; None if none does.
+    A completion ended by EOS or a stop token is not searched, nor one with fewer than
+    ``min_tokens`` tokens."""
+    if (
+        not params.stop
+        or len(text) <= searched_chars
+        or finish_reason == "stop"
+        or num_tokens < params.min_tokens
+    ):
+        return None
+    hit = find_stop(text, len(text) - searched_chars, params.stop)
+    if hit is None:
+        return None
+    stop, at = hit
+    return stop, at + len(stop) if params.include_stop_str_in_output else at

@@ -37,7 +37,11 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
-from paged_engine.engine.detokenizer import IncrementalDetokenizer, find_stop
+from paged_engine.engine.detokenizer import (
+    IncrementalDetokenizer,
+    stop_string_cut,
+    tokens_with_text,
+)
 from paged_engine.engine.inputs import Tokenizer
 from paged_engine.engine.outputs import FailedSample, SampleOutput
 from paged_engine.engine.request import (
@@ -219,21 +223,16 @@ class OutputProcessor:
         if c.finish_reason is not None:  # ended by its tokens: nothing will follow
             detok.flush(tok)
         text = detok.text
-        if (
-            params.stop
-            and len(text) > c.searched_chars
-            and c.finish_reason != "stop"  # not ended by EOS or a stop token
-            and seq.num_completion_tokens >= params.min_tokens
-        ):
-            hit = find_stop(text, len(text) - c.searched_chars, params.stop)
-            if hit is not None:
-                stop, at = hit
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                if c.finish_reason is None:
-                    self.scheduler.finish_now(seq)
-                c.text, c.finish_reason, c.stop_reason = text[:end], "stop", stop
-                self.to_report[request.request_id] = request
-                return
+        hit = stop_string_cut(
+            params, text, c.searched_chars, seq.num_completion_tokens, c.finish_reason
+        )
+        if hit is not None:
+            stop, end = hit
+            if c.finish_reason is None:
+                self.scheduler.finish_now(seq)
+            c.text, c.finish_reason, c.stop_reason = text[:end], "stop", stop
+            self.to_report[request.request_id] = request
+            return
         c.text, c.searched_chars = text, len(text)
 
     def _decode_logprobs(self, request: Request, c: Completion) -> None:
@@ -258,7 +257,9 @@ class OutputProcessor:
         done: list[Request] = []
         for request in self.to_report.values():
             finished = request.finished
-            if finished or report_running:
+            # FINAL_ONLY: nothing before the end, an n > 1 request's first ending included
+            final_only = request.params.output_kind is RequestOutputKind.FINAL_ONLY
+            if finished or (report_running and not final_only):
                 out, counts = request.build_output()
                 outputs.append(out)
                 sent += counts
@@ -276,16 +277,7 @@ class OutputProcessor:
 
 
 def _tokens_with_text(c: Completion, params: SamplingParams) -> int:
-    """How many of the completion's tokens have text: all but the token that ended it, an
-    EOS or a stop token, unless ``include_stop_str_in_output`` (vLLM's rule)."""
-    n = c.seq.num_completion_tokens
-    if (
-        c.finish_reason == "stop"
-        and not isinstance(c.stop_reason, str)
-        and not params.include_stop_str_in_output
-    ):
-        return n - 1
-    return n
+    return tokens_with_text(c.seq.num_completion_tokens, c.finish_reason, c.stop_reason, params)
 
 
 def _set_or_append(items: list[Any], i: int, value: Any) -> None:

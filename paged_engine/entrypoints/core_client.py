@@ -3,15 +3,17 @@ interface as ``EngineLoop`` (``start``, ``submit``, ``abort``, ``begin_shutdown`
 ``stop``, ``alive``, ``draining``, ``fatal``, ``snapshot``), so ``OpenAIServer`` serves
 either without knowing which.
 
-One reader thread receives everything the core sends and hands each step's events to the
-event loop with one ``call_soon_threadsafe`` (as ``EngineLoop`` does), the observer's calls
-to the metrics, and the add answers to the waiting ``submit``s.
+One reader thread receives everything the core sends: each step's token deltas become
+text and outputs here (``core_streams``, ``core_outputs``), handed to the event loop with
+one ``call_soon_threadsafe`` (as ``EngineLoop`` does); also the metrics' reports and the
+add answers to the waiting ``submit``s.
 
-Faults: if the core process dies (its pipe closes), every request in flight ends with a
-``RequestFailed`` (500) naming the exit, pending adds are refused, ``alive`` turns False
-(``/health`` 503), and ``on_death`` is called: the server then exits, or, with restarts
-left, a new core serves once loaded (503 until then). ``stop`` asks the core to finish,
-then terminates and kills it after a bound: no process is left behind.
+Faults: if the core process dies (its pipe closes or cannot be read, or its engine thread
+died), every request in flight ends with a ``RequestFailed`` (500) naming it, pending adds
+are refused, ``alive`` turns False (``/health`` 503), and ``on_death`` is called: the
+server then exits, or, with restarts left, a new core serves once loaded (503 until
+then). ``stop`` asks the core to finish, then terminates and kills it after a bound, a
+core being restarted too: no process is left behind.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from paged_engine.entrypoints.core_process import CoreInfo, CoreSpec, core_main, end_process
+from paged_engine.entrypoints.core_streams import CoreStreams
 from paged_engine.entrypoints.engine_loop import _deliver
 from paged_engine.entrypoints.loop_types import (
     EngineSnapshot,
@@ -36,7 +38,6 @@ from paged_engine.entrypoints.loop_types import (
     Event,
     NoObserver,
     Observer,
-    RequestFailed,
 )
 from paged_engine.sampling_params import SamplingParams
 
@@ -46,17 +47,9 @@ KILL_WAIT_S = 2.0
 """After ``stop``'s own timeout: how long a terminated core may take before SIGKILL."""
 
 
-@dataclass(slots=True)
-class _Stream:
-    """One ``submit``: its queue, and its requests not yet ended."""
-
-    sink: asyncio.Queue[Event]
-    open_ids: set[str]
-
-
 class CoreClient:
-    """See the module docstring. ``launch`` starts the core and waits until its model is
-    loaded (its ``CoreInfo``); ``start(loop)`` binds the event loop that reads outputs."""
+    """See the module docstring. ``launch`` starts the core and waits for its model (its
+    ``CoreInfo``); ``start(loop)`` binds the event loop that reads outputs."""
 
     def __init__(
         self,
@@ -79,7 +72,8 @@ class CoreClient:
         self._process: Any = None
         self._conn: Any = None
         self._send_lock = threading.Lock()
-        self._streams: dict[int, _Stream] = {}
+        self.streams = CoreStreams()
+        """The requests in flight; ``streams.use_tokenizer``: the engine's tokenizer."""
         self._adds: dict[int, concurrent.futures.Future[None]] = {}
         self._keys = itertools.count()
         self._lock = threading.Lock()
@@ -87,13 +81,20 @@ class CoreClient:
         self._reader: threading.Thread | None = None
         self._draining = False
         self._stopping = False
+        self._launching: Any = None  # a core being started, until it serves or is given up
+        self._life = threading.Lock()
+        """Orders ``launch`` (maybe on the reader thread: a restart) and ``stop``."""
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def launch(self) -> CoreInfo:
         """Start a core and wait for its model; raises what ``LLM(...)`` raised in the
         core (a ``ModelConfigError``, say), or RuntimeError if it died or timed out."""
-        process, parent = self._spawn()
+        with self._life:
+            if self._stopping:
+                raise RuntimeError("the core client is stopping")
+            process, parent = self._spawn()
+            self._launching = process  # stop() ends it while it loads
         deadline = time.monotonic() + self.load_timeout
         try:
             while True:  # the engine thread publishes its first snapshot before "ready"
@@ -107,13 +108,25 @@ class CoreClient:
             process.join(KILL_WAIT_S)
             message = ("failed", RuntimeError(self._died_why(process)))
         except BaseException:
-            end_process(process, 0.0)
+            self._abandon(process, parent, 0.0)
             raise
         if message[0] != "ready":  # what refused the model, as LLM(...) would raise it
-            end_process(process, KILL_WAIT_S)
+            self._abandon(process, parent, KILL_WAIT_S)
             raise message[1]
-        self._process, self._conn, self.info, self.fatal = process, parent, message[1], None
+        with self._life:
+            self._launching = None
+            if self._stopping:  # stop() came while it loaded
+                self._abandon(process, parent, 0.0)
+                raise RuntimeError("the core client is stopping")
+            self._process, self._conn, self.info, self.fatal = process, parent, message[1], None
         return self.info
+
+    def _abandon(self, process: Any, conn: Any, timeout: float) -> None:
+        """End a core that will not serve, and its pipe."""
+        self._launching = None
+        end_process(process, timeout)
+        with contextlib.suppress(OSError):
+            conn.close()
 
     def _spawn(self) -> tuple[Any, Any]:
         """A new core process and this side's end of its pipe (``dp_remote``: a remote's)."""
@@ -159,14 +172,14 @@ class CoreClient:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         key = next(self._keys)
         with self._lock:
-            self._streams[key] = _Stream(sink, {r[0] for r in requests})
             self._adds[key] = done
         try:
-            self._send(("add", key, requests, arrival_time))
+            sent = self.streams.open(key, sink, requests)
+            self._send(("add", key, sent, arrival_time))
             await asyncio.wrap_future(done)
         except BaseException:
+            self.streams.close(key)
             with self._lock:
-                self._streams.pop(key, None)
                 self._adds.pop(key, None)
             raise
         return sink
@@ -183,20 +196,26 @@ class CoreClient:
                 self._send(("drain", grace_s))
 
     def stop(self, timeout: float = 10.0) -> bool:
-        """Ask the core to end (it fails what is in flight, 503), then make sure it did."""
-        self._stopping = True
-        if self._process is None:
+        """Ask the core to end (it fails what is in flight, 503), then make sure it did;
+        a core being started meanwhile (a restart) is ended too."""
+        with self._life:
+            self._stopping = True
+            process, launching = self._process, self._launching
+        if launching is not None:
+            end_process(launching, 0.0)
+        if process is None:
             return True
-        if self.alive:
+        if process.is_alive():  # even with ``fatal`` set: the process may still read
             with contextlib.suppress(OSError, EngineUnavailable):
                 self._send(("stop",))
-        ended = end_process(self._process, timeout)
-        if self._reader is not None:
+        ended = end_process(process, timeout)
+        if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(KILL_WAIT_S)
+        with contextlib.suppress(OSError):
+            self._conn.close()
         return ended
 
     # ---- the reader thread -----------------------------------------------------------------
-
     def _send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock:
             try:
@@ -208,7 +227,10 @@ class CoreClient:
         while True:
             try:
                 message = self._conn.recv()
-            except (EOFError, OSError):
+            except Exception as err:
+                if not isinstance(err, EOFError | OSError):  # unreadable: the core is lost
+                    log.error("the engine core's pipe is unreadable (%r): ending it", err)
+                    self._process.terminate()
                 if self._core_died():
                     continue  # a new core serves
                 return
@@ -220,7 +242,9 @@ class CoreClient:
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "events":
-            self._deliver(message[1])
+            batch, ended_here = self.streams.deliver(message[1], self.observer)
+            self._post(batch)
+            self.abort(ended_here)
         elif kind == "added":
             with self._lock:
                 done = self._adds.pop(message[1], None)
@@ -228,42 +252,22 @@ class CoreClient:
                 if message[2] is None:
                     done.set_result(None)
                 else:
-                    with self._lock:
-                        self._streams.pop(message[1], None)
+                    self.streams.close(message[1])
                     done.set_exception(message[2])
         elif kind == "snapshot":
             self.snapshot = message[1]
         elif kind == "observe":
-            if message[1:2] == ("ended",) and message[2][1] == "aborted":  # no event ends it
-                self._forget(message[2][0])
-            getattr(self.observer, message[1])(*message[2])
-        elif kind == "fatal":
+            if message[1] == "ended":
+                request_id, how = message[2]
+                self.streams.core_ended(request_id, how, self.observer)
+            else:
+                getattr(self.observer, message[1])(*message[2])
+        elif kind == "fatal":  # the engine thread died: end the core (restart or exit)
             self.fatal = message[1]
-
-    def _deliver(self, pairs: list[tuple[int, Event]]) -> None:
-        batch: list[tuple[asyncio.Queue[Event], Event]] = []
-        with self._lock:
-            for key, event in pairs:
-                stream = self._streams.get(key)
-                if stream is None:
-                    continue
-                batch.append((stream.sink, event))
-                if isinstance(event, RequestFailed) or event.finished:
-                    stream.open_ids.discard(event.request_id)
-                    if not stream.open_ids:
-                        del self._streams[key]
-        self._post(batch)
-
-    def _forget(self, request_id: str) -> None:
-        with self._lock:  # an aborted request's stream, once none of its requests is left
-            for key in [k for k, st in self._streams.items() if request_id in st.open_ids]:
-                self._streams[key].open_ids.discard(request_id)
-                if not self._streams[key].open_ids:
-                    del self._streams[key]
+            self._process.terminate()
 
     def _post(self, batch: list[tuple[asyncio.Queue[Event], Event]]) -> None:
-        if batch and self._aloop is not None:
-            # RuntimeError: the event loop is closed, nobody listens any more
+        if batch and self._aloop is not None:  # RuntimeError: the event loop is closed
             with contextlib.suppress(RuntimeError):
                 self._aloop.call_soon_threadsafe(_deliver, batch)
 
@@ -271,20 +275,18 @@ class CoreClient:
         """The pipe closed. Fail what was in flight; True when a new core now serves."""
         process = self._process
         process.join(KILL_WAIT_S)
+        with contextlib.suppress(OSError):
+            self._conn.close()
         if self._stopping:
             return False
         why = self.fatal or self._died_why(process)
         self.fatal = why
         log.error("%s: failing every request in flight", why)
         with self._lock:
-            streams, self._streams = self._streams, {}
             adds, self._adds = self._adds, {}
-        for done in adds.values():
-            if not done.done():
-                done.set_exception(EngineUnavailable(why))
-        self._post(
-            [(s.sink, RequestFailed(r, why, 500)) for s in streams.values() for r in s.open_ids]
-        )
+        for done in (d for d in adds.values() if not d.done()):
+            done.set_exception(EngineUnavailable(why))
+        self._post(self.streams.fail_all(why, self.observer))
         if self.restarts_left > 0 and not self._draining:
             self.restarts_left -= 1
             log.warning("restarting the engine core (%d restarts left)", self.restarts_left)
@@ -293,6 +295,6 @@ class CoreClient:
                 return True
             except Exception as err:
                 self.fatal = f"{why}; its restart failed: {err}"
-        if self.on_death is not None:
+        if self.on_death is not None and not self._stopping:
             self.on_death(self.fatal)
         return False

@@ -15,9 +15,14 @@ The wire (``multiprocessing`` connections, pickled tuples of plain records):
   ``("drain", grace_s)``, ``("stop",)``;
 * core → API: ``("ready", info)`` once the model is loaded (or ``("failed", error)``),
   ``("added", key, error)`` for each add (``error`` None or the exception ``add_request``
-  raised), ``("events", [(key, event), ...])`` once per step, ``("snapshot", s)`` when it
-  changed, ``("observe", method, args)`` for the metrics, and ``("fatal", message)`` if
-  the engine thread dies.
+  raised), ``("events", [(key, item), ...])`` once per step (``item`` a
+  ``core_wire.WireOutput``: token ids, no text; or a ``RequestFailed`` or ``Restarted``),
+  ``("snapshot", s)`` when it changed, ``("observe", method, args)`` for the metrics
+  (``added`` and ``ended``), and ``("fatal", message)`` if the engine thread dies.
+
+The API process adds requests with ``core_wire.core_params`` (tokens only) and makes their
+text itself (``core_outputs.py``); a stop string it finds ends the request there, and an
+``abort`` here.
 
 Lifetime: the core ignores SIGINT (the terminal's Ctrl-C is the API process's to handle:
 it drains, then stops the core), and ends when its pipe closes, so an API process that dies
@@ -39,6 +44,7 @@ from typing import Any
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request import RequestOutput
+from paged_engine.entrypoints.core_wire import encode
 from paged_engine.entrypoints.engine_loop import EngineLoop, _Add
 from paged_engine.entrypoints.loop_types import EngineSnapshot
 from paged_engine.entrypoints.routes import Batch
@@ -86,18 +92,21 @@ class _Sender:
 
 
 class _ForwardingObserver:
-    """The metrics observer, called on the engine thread, forwarded to the API process."""
+    """The metrics observer, called on the engine thread, forwarded to the API process;
+    but for ``output``: the API process sees every output as it builds its text."""
 
-    def __init__(self, send: _Sender) -> None:
+    def __init__(self, send: _Sender, introduced: set[str]) -> None:
         self._send = send
+        self._introduced = introduced
 
     def added(self, request_ids: list[str], arrival_time: float) -> None:
         self._send(("observe", "added", (request_ids, arrival_time)))
 
     def output(self, out: RequestOutput) -> None:
-        self._send(("observe", "output", (out,)))
+        return None
 
     def ended(self, request_id: str, how: str) -> None:
+        self._introduced.discard(request_id)
         self._send(("observe", "ended", (request_id, how)))
 
 
@@ -105,15 +114,34 @@ class CoreLoop(EngineLoop):
     """``EngineLoop`` whose events, snapshots and death are sent over the pipe."""
 
     def __init__(self, engine: LLMEngine, send: _Sender, max_step_failures: int) -> None:
+        introduced: set[str] = set()
         super().__init__(
-            engine, max_step_failures=max_step_failures, observer=_ForwardingObserver(send)
+            engine,
+            max_step_failures=max_step_failures,
+            observer=_ForwardingObserver(send, introduced),
         )
+        self._routes.relay = True
         self._send = send
         self._sent_snapshot: EngineSnapshot | None = None
+        self._introduced = introduced
+        """Requests whose first output (the one with the prompt) has been sent."""
 
     def _post(self, batch: Batch) -> None:
-        if batch:
-            self._send(("events", [(sink.key, event) for sink, event in batch]))  # type: ignore[attr-defined]
+        if not batch:
+            return
+        items: list[tuple[int, Any]] = []
+        for sink, event in batch:
+            if isinstance(event, RequestOutput):
+                rid = event.request_id
+                first = rid not in self._introduced
+                if event.finished:
+                    self._introduced.discard(rid)
+                elif first:
+                    self._introduced.add(rid)
+                items.append((sink.key, encode(event, first)))  # type: ignore[attr-defined]
+            else:  # RequestFailed, Restarted
+                items.append((sink.key, event))  # type: ignore[attr-defined]
+        self._send(("events", items))
 
     def _run(self) -> None:
         super()._run()

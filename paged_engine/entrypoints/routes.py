@@ -14,9 +14,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request import RequestOutput
+from paged_engine.entrypoints.core_wire import Restarted
 from paged_engine.entrypoints.gather import Gathered
 from paged_engine.entrypoints.isolation import Quarantine, Suspect
 from paged_engine.entrypoints.loop_types import Event, Observer, RequestFailed
@@ -41,6 +43,8 @@ class _Route:
     """Set when the client wants one final output (the deltas are merged here)."""
     seen: bool = False
     """Its client has received an output (a stream cannot be taken back)."""
+    hidden: bool = False
+    """Its client sees nothing before it ends (asked for ``FINAL_ONLY``)."""
     confirmed: bool = False
     """It produced a token in a successful step since it was (re-)added."""
     parked: bool = False
@@ -63,6 +67,10 @@ class Routes:
         self._routes: dict[str, _Route] = {}
         """Every request in flight (parked too), in admission order."""
         self.quarantine = Quarantine(max_step_failures)
+        self.relay = False
+        """Set by the engine core process (``core_process.py``): every request's deltas are
+        posted as they come, a ``FINAL_ONLY`` one's too (the API process merges them), and
+        a hidden request that is parked posts ``Restarted`` (its deltas so far are void)."""
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._routes
@@ -82,9 +90,8 @@ class Routes:
                 final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
                 if final_only:
                     params = replace(params, output_kind=RequestOutputKind.DELTA)
-                route = _Route(
-                    sink, prompt, params, arrival_time, Gathered() if final_only else None
-                )
+                gather = Gathered() if final_only and not self.relay else None
+                route = _Route(sink, prompt, params, arrival_time, gather, hidden=final_only)
                 engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
                 routes[request_id] = route
         except Exception:
@@ -118,7 +125,7 @@ class Routes:
                 del self._routes[rid]
                 self._gone(rid, "finished")
             if route.gather is None:
-                route.seen = True
+                route.seen = route.seen or not route.hidden
                 batch.append((route.sink, out))
             else:
                 route.gather.add(out)
@@ -144,6 +151,8 @@ class Routes:
             route.parked, route.confirmed = True, False
             if route.gather is not None:
                 route.gather.reset()
+            elif route.hidden:  # relayed: the API process drops what it built of it
+                self._post([(route.sink, cast(Event, Restarted(r)))])
         if verdict.park:
             log.warning("engine steps keep failing: %d request(s) set aside", len(verdict.park))
         message = (

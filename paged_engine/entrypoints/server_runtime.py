@@ -96,6 +96,9 @@ def run_core_server(
     """Serve the engine core process(es) behind ``client`` (launched: ``info`` is set).
     If every core dies with no restart left, the server shuts down and exits with 1."""
     assert client.info is not None
+    cores = client.replicas if isinstance(client, DPClient) else [client]
+    for core in cores:  # the text is made here, with the tokenizer the server parses with
+        core.streams.use_tokenizer(tokenizer)
     server = OpenAIServer(
         client,
         settings,
@@ -103,7 +106,6 @@ def run_core_server(
         max_model_len=client.info.max_model_len,
         model_root=model_root,
     )
-    cores = client.replicas if isinstance(client, DPClient) else [client]
     return serve(server, cores)
 
 
