@@ -6,23 +6,46 @@ argument names, so that porting a script is a matter of changing the import.
 With ``tensor_parallel_size=N`` the model is sharded over ``N`` ranks: this process and
 ``N - 1`` spawned workers (``worker/tp_worker.py``). ``close()``, a ``with`` block, garbage
 collection or interpreter exit ends them.
+
+With ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (vLLM's variable; here the default is 0) the
+engine core runs in a process of its own, as ``serve`` runs it (``mp_engine.py``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from paged_engine.engine.request import RequestOutput
 from paged_engine.engine.stats import RunStats
 from paged_engine.engine_args import engine_args_from_kwargs
 from paged_engine.llm_engine import LLMEngine, model_dir_of, refuse_lora
+from paged_engine.mp_engine import MultiprocessLLMEngine
 from paged_engine.sampling_params import SamplingParams
 from paged_engine.utils.generation_defaults import default_sampling_values
+from paged_engine.worker.model_runner import ModelRunner
 
-__all__ = ["LLM", "model_dir_of"]
+__all__ = ["LLM", "MULTIPROCESSING_ENV", "model_dir_of", "multiprocessing_enabled"]
+
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""vLLM's variable: 1 runs ``LLM``'s engine core in a process of its own, 0 or unset (the
+default here, where vLLM's is 1) in this process."""
+
+
+def multiprocessing_enabled() -> bool:
+    """``VLLM_ENABLE_V1_MULTIPROCESSING`` read: True for "1", False for "0", "" or unset;
+    any other value is a ValueError naming the variable. (An engine core builds its engine
+    with ``LLMEngine.from_engine_args``, which never reads it.)"""
+    raw = os.environ.get(MULTIPROCESSING_ENV, "")
+    if raw.strip() not in ("", "0", "1"):
+        raise ValueError(
+            f"{MULTIPROCESSING_ENV}={raw!r}: use 1 (the engine core in a process of its "
+            "own) or 0 (in this process, the default)"
+        )
+    return raw.strip() == "1"
 
 
 class LLM:
@@ -54,6 +77,13 @@ class LLM:
     dies, or stops for longer than the collective timeout, ``PAGED_ENGINE_TP_TIMEOUT_S``,
     a minute by default) makes the step raise (``WorkerError``) and closes the ``LLM``;
     so does a Ctrl-C during a step, which is taken at once.
+
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment runs the engine core (model,
+    KV pool, scheduler) in a process of its own and only the tokenizer here
+    (``mp_engine.MultiprocessLLMEngine`` as ``llm_engine``; see there what it offers):
+    ``generate`` and ``chat`` give the same outputs; ``model_runner`` is None,
+    ``last_run_stats`` None, ``reset_prefix_cache`` raises NotImplementedError.
+    ``close()``, a ``with`` block, garbage collection or interpreter exit end the core.
     """
 
     def __init__(
@@ -61,16 +91,23 @@ class LLM:
     ) -> None:
         engine_args = engine_args_from_kwargs(model, tokenizer, kwargs)
         self._closed = False
-        self.llm_engine = LLMEngine.from_engine_args(engine_args)
-        self.model_runner = self.llm_engine.model_runner
+        self.model_runner: ModelRunner | None = None
+        """The model's runner; None when the engine core runs in another process."""
+        if multiprocessing_enabled():
+            # Typed as the default engine: this one has what LLM calls of an engine.
+            engine = MultiprocessLLMEngine(engine_args)
+            self.llm_engine = cast(LLMEngine, engine)
+        else:
+            self.llm_engine = LLMEngine.from_engine_args(engine_args)
+            self.model_runner = self.llm_engine.model_runner
         self.tokenizer = self.llm_engine.get_tokenizer()
         self.config = self.llm_engine.config
         """The engine config with the device's defaults filled in (by the runner)."""
         self._default_sampling: dict[str, Any] | None = None
 
     def close(self) -> None:
-        """End the tensor-parallel workers (if any); afterwards ``generate`` and ``chat``
-        raise. Idempotent."""
+        """End the tensor-parallel workers (if any), or the engine core process;
+        afterwards ``generate`` and ``chat`` raise. Idempotent."""
         self._closed = True
         self.llm_engine.close()
 

@@ -22,10 +22,11 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
+from paged_engine.config import EngineConfig
 from paged_engine.engine.inputs import Tokenizer
 from paged_engine.engine.llm_engine import LLMEngine as CoreEngine
 from paged_engine.engine_args import EngineArgs
@@ -35,7 +36,7 @@ from paged_engine.utils.model_config import ModelConfig
 from paged_engine.utils.tokenizer import load_tokenizer
 from paged_engine.worker.model_runner import ModelRunner
 
-__all__ = ["LLMEngine", "model_dir_of", "refuse_lora"]
+__all__ = ["LLMEngine", "ModelFiles", "model_dir_of", "read_model", "refuse_lora"]
 
 
 def model_dir_of(model: object) -> Path:
@@ -81,6 +82,45 @@ def refuse_lora(lora_request: object) -> None:
         )
 
 
+@dataclass(slots=True)
+class ModelFiles:
+    """What building an engine reads before any weight: the config with the model's
+    ``max_model_len`` default applied, config.json's record, the tokenizer and the eos
+    ids. One record for both engines (this one and ``mp_engine``'s, whose process loads
+    no weights), so both refuse the same arguments and directories the same way."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Any
+    """The transformers tokenizer, None for a directory without one."""
+    eos_token_ids: tuple[int, ...] | None
+
+
+def read_model(engine_args: EngineArgs) -> ModelFiles:
+    """Validate ``engine_args`` and read the model directory (a .gguf file converted
+    once): config.json and generation_config.json, the tokenizer, the eos ids (the
+    tokenizer's when neither config sets one, checked against the vocabulary)."""
+    config = engine_args.create_engine_config()
+    engine_args.check_load_format()
+    tokenizer_arg = engine_args.tokenizer
+    model_dir = model_dir_of(engine_args.model)
+    tokenizer_dir = model_dir if tokenizer_arg is None else model_dir_of(tokenizer_arg)
+    # config.json and generation_config.json, read once: the runner and every
+    # tensor-parallel worker get this record, never the file
+    model_config = ModelConfig.load(model_dir)
+    if engine_args.max_model_len is None:
+        default = min(config.max_model_len, model_config.max_position_embeddings)
+        config = replace(config, max_model_len=default)
+    tokenizer = load_tokenizer(
+        tokenizer_dir, model_config.hf_config if tokenizer_arg is None else None
+    )
+    eos = model_config.eos_token_ids
+    if eos is None and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = (int(tokenizer.eos_token_id),)
+        _check_tokenizer_eos(eos[0], model_config.vocab_size, tokenizer_dir)
+    return ModelFiles(config, model_config, tokenizer, eos)
+
+
 class LLMEngine(CoreEngine):
     """The engine over a real model (see the module docstring); build it with
     ``from_engine_args``. ``close()`` ends its tensor-parallel workers (also done when it
@@ -95,31 +135,30 @@ class LLMEngine(CoreEngine):
     _finalizer: Callable[[], Any] | None = None
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+    def from_engine_args(
+        cls, engine_args: EngineArgs, *, enable_multiprocessing: bool = False
+    ) -> LLMEngine:
         """Validate ``engine_args``, read the model directory (config.json, the
         tokenizer and the eos ids are refused before any weight is read), load the model
         (with ``tensor_parallel_size - 1`` workers) and its KV pool, and return the
         engine. ``max_model_len`` when None is 4096 capped at the model's
         ``max_position_embeddings``. Generation stops at every eos id:
-        generation_config.json's, else config.json's, else the tokenizer's."""
-        config = engine_args.create_engine_config()
-        engine_args.check_load_format()
-        tokenizer_arg = engine_args.tokenizer
-        model_dir = model_dir_of(engine_args.model)
-        tokenizer_dir = model_dir if tokenizer_arg is None else model_dir_of(tokenizer_arg)
-        # config.json and generation_config.json, read once: the runner and every
-        # tensor-parallel worker get this record, never the file
-        model_config = ModelConfig.load(model_dir)
-        if engine_args.max_model_len is None:
-            default = min(config.max_model_len, model_config.max_position_embeddings)
-            config = replace(config, max_model_len=default)
-        tokenizer = load_tokenizer(
-            tokenizer_dir, model_config.hf_config if tokenizer_arg is None else None
-        )
-        eos = model_config.eos_token_ids
-        if eos is None and tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos = (int(tokenizer.eos_token_id),)
-            _check_tokenizer_eos(eos[0], model_config.vocab_size, tokenizer_dir)
+        generation_config.json's, else config.json's, else the tokenizer's.
+
+        ``enable_multiprocessing`` (vLLM's keyword) must be False: this engine is driven
+        step by step in this process (``add_request``, ``step``), which a core in another
+        process does not offer. ``LLM`` runs its core in a process of its own with
+        ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (``mp_engine.py``); the variable is read by
+        ``LLM`` alone, never here."""
+        if enable_multiprocessing is not False:
+            raise NotImplementedError(
+                f"enable_multiprocessing={enable_multiprocessing!r}: LLMEngine runs in this "
+                "process; for an engine core in a process of its own use LLM(...) with "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=1"
+            )
+        files = read_model(engine_args)
+        config, model_config, tokenizer = files.config, files.model_config, files.tokenizer
+        eos = files.eos_token_ids
         if config.tensor_parallel_size == 1:
             runner = ModelRunner(model_config, config, eos_token_ids=eos or ())
         else:

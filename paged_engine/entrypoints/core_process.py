@@ -180,20 +180,23 @@ def core_main(spec: CoreSpec, conn: Any) -> None:
     ``multiprocessing`` connections, so one protocol serves a local and a remote replica."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     send = _Sender(conn)
-    try:
-        from paged_engine import LLM
+    try:  # what LLM(model, **llm_kwargs) builds, never in a process of its own again
+        from paged_engine.engine_args import engine_args_from_kwargs
+        from paged_engine.llm_engine import LLMEngine as ModelEngine  # torch: the core's
 
-        llm = LLM(spec.model, **spec.llm_kwargs)
+        kwargs = dict(spec.llm_kwargs)
+        tokenizer = kwargs.pop("tokenizer", None)
+        args = engine_args_from_kwargs(spec.model, tokenizer, kwargs)
+        engine = ModelEngine.from_engine_args(args)
     except BaseException as exc:  # refused (a ModelConfigError, say): raised again there
         try:
             send(("failed", exc))
         except (pickle.PicklingError, TypeError, AttributeError):
             send(("failed", RuntimeError(f"{type(exc).__name__}: {exc}")))
         return
-    engine = llm.llm_engine
     loop = CoreLoop(engine, send, spec.max_step_failures)
     loop.start(asyncio.new_event_loop())  # never run: events go through _post
-    config = llm.config
+    config = engine.config
     info = CoreInfo(
         config.max_model_len,
         engine.num_blocks,
@@ -206,7 +209,7 @@ def core_main(spec: CoreSpec, conn: Any) -> None:
         _read_commands(conn, loop)
     finally:
         stopped = loop.stop(10.0)
-        llm.close()
+        engine.close()
         conn.close()
         logging.shutdown()
         os._exit(0 if stopped else 1)

@@ -225,7 +225,9 @@ def cmd_serve(a: argparse.Namespace, fields: dict[str, Any], params: object) -> 
 def _serve_thread(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     from paged_engine import LLM
     from paged_engine.entrypoints.server_runtime import run_server
+    from paged_engine.llm import MULTIPROCESSING_ENV
 
+    os.environ[MULTIPROCESSING_ENV] = "0"  # --engine-core thread: the engine is in here
     llm = LLM(a.model, **fields)
     try:
         return run_server(llm, a.settings, model_root=str(a.model))
