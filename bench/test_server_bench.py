@@ -224,3 +224,60 @@ def test_http_layer_cost_against_offline_generate(
         if k not in ("suite", "engine_core", "model"):
             print(f"  {k:28} {v:10.3f}")
     print(f"  engine core: {info['engine_core']}")
+
+
+LOW_RATE_REQUESTS = 16
+
+
+def _offline_ttft(llm: LLM, w: Work, request_id: str) -> float:
+    """Seconds from ``add_request`` to the step that gives ``w``'s first token."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(request_id, {"prompt_token_ids": w.prompt}, params)
+    first: float | None = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first is None and any(o.outputs[0].token_ids for o in outs):
+            first = time.perf_counter() - t0
+    assert first is not None
+    return first
+
+
+def test_ttft_overhead_at_low_rate(
+    benchmark: Any, server: str, model_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    """One request at a time (the lowest rate): the server's time to first token, seen by
+    the client, against the engine's in this process (``add_request`` to the step that
+    samples it), request by request, alternating; fresh prompts on both sides. The
+    difference is what the HTTP layer and, in process mode, the hop to the core add."""
+    llm = LLM(model_dir, **ENGINE)
+    warm = workload(97)[:4]
+    run_server(server, warm, None)
+    for i, w in enumerate(warm):
+        _offline_ttft(llm, w, f"warm{i}")
+    offline, served, diffs = [], [], []
+    for i, w in enumerate(workload(50)[:LOW_RATE_REQUESTS]):
+        off = _offline_ttft(llm, w, f"r{i}")
+        (trace,), _ = run_server(server, [Work(w.prompt, 4)], None)
+        on = trace.token_times[0] - trace.sent
+        offline.append(off)
+        served.append(on)
+        diffs.append(on - off)
+    info = {
+        "suite": "server",
+        "engine_core": request.node.callspec.params["server"],
+        "model": MODEL_NAME,
+        "offline_ttft_p50_ms": 1e3 * statistics.median(offline),
+        "server_ttft_p50_ms": 1e3 * statistics.median(served),
+        "ttft_overhead_p50_ms": 1e3 * statistics.median(diffs),
+        "ttft_overhead_min_ms": 1e3 * min(diffs),
+    }
+    benchmark.extra_info.update(info)
+    one = workload(51)[:1]
+    benchmark.pedantic(lambda: run_server(server, one, None), rounds=1, iterations=1)
+    print(f"\nTTFT at the lowest rate, {LOW_RATE_REQUESTS} requests one at a time")
+    for k, v in info.items():
+        if k.endswith("_ms"):
+            print(f"  {k:28} {v:10.2f}")
+    print(f"  engine core: {info['engine_core']}")
