@@ -264,3 +264,35 @@ def test_sigterm_to_the_head_ends_the_headless_cores(
     finally:
         head.end()
         node.end()
+
+
+def test_a_silent_connection_does_not_keep_a_headless_core_out(
+    tiny_model_dir: Path, offline: list[str]
+) -> None:
+    """A TCP connection that never says a word reaches the head first: the headless core
+    after it still joins (long before the connect timeout), and the head drops the silent
+    one (``dp_headless.AUTH_TIMEOUT_S``)."""
+    port = free_port()
+    head = Serve(tiny_model_dir, *head_flags(port, 1, 0, timeout=150), key=KEY)
+    node: Serve | None = None
+    silent: socket.socket | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while silent is None:  # the head listens once its tokenizer is loaded
+            try:
+                silent = socket.create_connection(("127.0.0.1", port), timeout=1)
+            except OSError:
+                assert head.proc.poll() is None and time.monotonic() < deadline, head.text
+                time.sleep(0.1)
+        node = Serve(tiny_model_dir, *headless_flags(port), key=KEY)
+        url = head.wait_for(r"serving .* on (http://\S+)", 120)[1]
+        assert complete(url, PROMPTS[0]).choices[0].text == offline[0]
+        silent.settimeout(30)
+        while silent.recv(4096):  # the challenge, then the end: dropped
+            pass
+    finally:
+        head.end()
+        if node is not None:
+            node.end()
+        if silent is not None:
+            silent.close()

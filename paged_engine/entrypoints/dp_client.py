@@ -19,18 +19,30 @@ block since); a wrong guess costs a recomputation, never a wrong answer.
 ``DPClient`` has ``EngineLoop``'s interface. One HTTP request's prompts go to one
 replica, chosen by its first prompt, so ``submit`` stays all-or-none. A replica that
 dies fails its own requests only; the others keep serving and the router skips it.
+
+The load counts: a request counts from its ``submit`` until its replica reports its end
+(the observer's ``ended``, on that replica's reader thread), or until the replica is seen
+dead or restarted (its core changed): everything it held failed with it. The event loop
+and every reader thread change them, under one lock.
+
+Replicas are started and stopped at once (``stop_all``): N stop within one bound, not N.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from paged_engine.engine.hashing import salt_block, sha256_block_hash, xxh64_block_hash
 from paged_engine.engine.request import RequestOutput
 from paged_engine.entrypoints.core_client import CoreClient
+from paged_engine.entrypoints.core_process import CoreSpec
+from paged_engine.entrypoints.dp_headless import cuda_visible
 from paged_engine.entrypoints.loop_types import EngineSnapshot, EngineUnavailable, Event, Observer
 from paged_engine.sampling_params import SamplingParams
 
@@ -94,14 +106,19 @@ class DPClient:
         self.max_imbalance = max_imbalance
         self.indexes = [PrefixIndex() for _ in replicas]
         self.in_flight = [0] * len(replicas)
-        """Sequences submitted and not yet ended, per replica (event loop only)."""
+        """Sequences submitted and not yet ended, per replica (under ``_lock``)."""
         self.routed = [0] * len(replicas)
         info = replicas[0].info
         assert info is not None
         self.info = info
         self._draining = False
-        self._owner: dict[str, tuple[int, int]] = {}
-        """Request id -> (its replica, its sequences), until the replica reports its end."""
+        self._lock = threading.RLock()
+        self._owner: dict[str, int] = {}
+        """Request id -> its replica, until the replica reports its end (or is dead)."""
+        self._owned: list[dict[str, int]] = [{} for _ in replicas]
+        """Per replica: its requests' ids -> their sequences."""
+        self._cores = [r.info for r in replicas]
+        """Each replica's core when it was last seen: a new one (a restart) holds nothing."""
         self.observer = replicas[0].observer
 
     @property
@@ -139,19 +156,38 @@ class DPClient:
         for r in self.replicas:
             r.start(loop, timeout)
 
+    def loads(self) -> list[int]:
+        """The sequences in flight per replica (a dead replica's released first)."""
+        with self._lock:
+            self._release_dead()
+            return list(self.in_flight)
+
+    def _release_dead(self) -> None:
+        """Forget the requests of a replica that died or was restarted since: they failed
+        (the client fails them, maybe without an ``ended`` each). Under ``_lock``."""
+        for i, r in enumerate(self.replicas):
+            if not r.alive or r.info is not self._cores[i]:
+                for request_id in self._owned[i]:
+                    self._owner.pop(request_id, None)
+                self.in_flight[i] -= sum(self._owned[i].values())
+                self._owned[i].clear()
+                self._cores[i] = r.info if r.alive else self._cores[i]
+
     def choose(self, hashes: Sequence[int]) -> int:
         """The replica for a prompt with these block hashes (see the module docstring)."""
-        live = [i for i, r in enumerate(self.replicas) if r.alive]
-        if not live:
-            raise EngineUnavailable(self.fatal or "no engine core is alive")
-        least = min(live, key=lambda i: (self.in_flight[i], self.routed[i]))
-        best = max(
-            live,
-            key=lambda i: (self.indexes[i].match(hashes), -self.in_flight[i], -self.routed[i]),
-        )
-        if self.in_flight[best] - self.in_flight[least] > self.max_imbalance:
-            return least
-        return best
+        with self._lock:
+            self._release_dead()
+            live = [i for i, r in enumerate(self.replicas) if r.alive]
+            if not live:
+                raise EngineUnavailable(self.fatal or "no engine core is alive")
+            least = min(live, key=lambda i: (self.in_flight[i], self.routed[i]))
+            best = max(
+                live,
+                key=lambda i: (self.indexes[i].match(hashes), -self.in_flight[i], -self.routed[i]),
+            )
+            if self.in_flight[best] - self.in_flight[least] > self.max_imbalance:
+                return least
+            return best
 
     async def submit(
         self, requests: list[tuple[str, object, SamplingParams]], arrival_time: float
@@ -165,25 +201,29 @@ class DPClient:
             if tokens is None
             else prompt_block_hashes(tokens, info.block_size, info.prefix_cache_hash, salt)
         )
-        i = self.choose(hashes)
-        for request_id, _, params in requests:  # before: a replica may end it at once
-            self._owner[request_id] = (i, params.n)
-            self.in_flight[i] += params.n
+        with self._lock:
+            i = self.choose(hashes)
+            for request_id, _, params in requests:  # before: a replica may end it at once
+                self._owner[request_id] = i
+                self._owned[i][request_id] = params.n
+                self.in_flight[i] += params.n
         try:
             sink = await self.replicas[i].submit(requests, arrival_time)
         except BaseException:
             for request_id, _, _ in requests:
                 self.ended(request_id)
             raise
-        self.indexes[i].add(hashes)
-        self.routed[i] += 1
+        with self._lock:
+            self.indexes[i].add(hashes)
+            self.routed[i] += 1
         return sink
 
     def ended(self, request_id: str) -> None:
         """A replica reported the request's end (its reader thread): its load is gone."""
-        owner = self._owner.pop(request_id, None)
-        if owner is not None:
-            self.in_flight[owner[0]] -= owner[1]
+        with self._lock:
+            i = self._owner.pop(request_id, None)
+            if i is not None:
+                self.in_flight[i] -= self._owned[i].pop(request_id)
 
     def abort(self, request_ids: list[str] | tuple[str, ...]) -> None:
         for r in self.replicas:  # aborting an id a replica does not hold changes nothing
@@ -195,7 +235,35 @@ class DPClient:
             r.begin_shutdown(grace_s)
 
     def stop(self, timeout: float = 10.0) -> bool:
-        return all([r.stop(timeout) for r in self.replicas])
+        return stop_all(self.replicas, timeout)
+
+
+def stop_all(replicas: Sequence[CoreClient], timeout: float) -> bool:
+    """Stop every replica at once (a thread each), so that they all end within one
+    ``stop`` bound; True when each ended by itself. An error a stop raised is raised
+    again once every stop has been tried."""
+    if not replicas:
+        return True
+    with concurrent.futures.ThreadPoolExecutor(len(replicas), "dp-stop") as pool:
+        futures = [pool.submit(r.stop, timeout) for r in replicas]
+    return all([f.result() for f in futures])
+
+
+class LocalCoreClient(CoreClient):
+    """A core spawned here that sees only ``devices`` (its ``CUDA_VISIBLE_DEVICES``; None:
+    this process's), restarts included, and whose launch ``give_up`` cuts short from
+    another thread (``stop``: the core being loaded is ended, the launch fails at once)."""
+
+    def __init__(self, spec: CoreSpec, devices: str | None = None, *, restarts: int = 0) -> None:
+        super().__init__(spec, restarts=restarts)
+        self.devices = devices
+
+    def _spawn(self) -> tuple[Any, Any]:
+        with cuda_visible(self.devices):
+            return super()._spawn()
+
+    def give_up(self) -> None:
+        self.stop(0.0)
 
 
 class _LoadObserver:

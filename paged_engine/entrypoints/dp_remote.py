@@ -16,25 +16,40 @@ once it has proved it knows the shared secret (``$PAGED_ENGINE_DP_AUTHKEY``, the
 every node): ``multiprocessing.connection``'s HMAC challenge, both ways, before any
 message. A peer with a wrong key is refused and the head waits on for a good one, until
 ``--data-parallel-connect-timeout``. The key authenticates but does not encrypt: the
-replicas' network must be one you trust.
+replicas' network must be one you trust. Each peer is authenticated on a thread of its
+own, within ``AUTH_TIMEOUT_S``: a connection that says nothing cannot hold the others off.
+Both ends keep the connection alive (``dp_headless.keep_alive``): a node that vanishes
+without closing it is counted dead within about 15 s.
+
+All replicas launch at once (N loads take one load's time, not N); on any failure every
+other one, loaded or loading, is ended, then the first error raised.
 """
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import logging
 import queue
 import socket
 import threading
 import time
-from multiprocessing.connection import Connection, Listener
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from paged_engine.entrypoints.core_client import KILL_WAIT_S, CoreClient
 from paged_engine.entrypoints.core_process import CoreSpec
+from paged_engine.entrypoints.dp_client import LocalCoreClient, stop_all
+from paged_engine.entrypoints.dp_headless import authenticated, local_devices, shut_down
 from paged_engine.entrypoints.settings import dp_authkey
 
 log = logging.getLogger(__name__)
+
+ACCEPT_POLL_S = 0.1
+"""How often the accepting thread looks whether the listener is closing."""
+MAX_AUTHENTICATING = 16
+"""Connections authenticated at once; one more is closed unread (silent connections
+cannot pile up threads)."""
 
 
 class ReplicaError(RuntimeError):
@@ -83,14 +98,8 @@ class RemoteCore:
         self.ended.wait(timeout)
 
     def terminate(self) -> None:
-        """Shut the connection down, both ways: a reader blocked on it wakes (a bare
-        ``close`` would not wake it), and the core there sees it end and ends itself."""
-        with contextlib.suppress(OSError):
-            sock = socket.socket(fileno=self.conn.fileno())
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            finally:
-                sock.detach()
+        """Shut the connection down, both ways: the reader wakes, the core there ends."""
+        shut_down(self.conn)
         self.ended.set()
 
     kill = terminate
@@ -126,77 +135,106 @@ class RemoteCoreClient(CoreClient):
 
 class CoreListener:
     """The head's socket for remote cores, bound at once (a busy port is refused before
-    any model loads). A thread accepts and authenticates the peers as they come, so that
-    remote cores connect, and load, while the local ones load."""
+    any model loads). A thread accepts the peers as they come, and one per peer
+    authenticates it, so that remote cores connect, and load, while the local ones load."""
 
     def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
         try:
-            self._listener = Listener(address, backlog=16, authkey=authkey)
+            self._sock = socket.create_server(address, backlog=16)
         except OSError as err:
-            where = _name(address)
-            raise ReplicaError(
-                f"--data-parallel-rpc-port: cannot listen on {where}: {err}"
-            ) from None
-        self.address = _name(self._listener.address)
+            why = f"--data-parallel-rpc-port: cannot listen on {_name(address)}: {err}"
+            raise ReplicaError(why) from None
+        self._sock.settimeout(ACCEPT_POLL_S)
+        self.address = _name(self._sock.getsockname()[:2])
         self.since = time.monotonic()
-        self._accepted: queue.Queue[tuple[Connection, str]] = queue.Queue()
-        self._closing = False
+        self._authkey = authkey
+        self._accepted: queue.Queue[tuple[Connection, str] | None] = queue.Queue()
+        self._closing = threading.Event()
+        self._gate = threading.Lock()  # orders a peer's admission and ``close``
+        self._slots = threading.BoundedSemaphore(MAX_AUTHENTICATING)
+        self._launching: RemoteCoreClient | None = None
         self._thread = threading.Thread(target=self._accept, name="dp-accept", daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
-        while not self._closing:
+        while not self._closing.is_set():
             try:
-                conn = self._listener.accept()
-            except Exception as err:  # a wrong key (AuthenticationError), a peer that left
-                if not self._closing:
-                    peer = _name(self._listener.last_accepted)
-                    log.warning("refused an engine core from %s: %r", peer, err)
+                sock, address = self._sock.accept()
+            except TimeoutError:  # the poll's: is it closing?
                 continue
-            if self._closing:  # one too many: it sees its connection close
+            except OSError as err:  # out of descriptors, say: again, shortly
+                log.warning("accepting an engine core failed: %r", err)
+                time.sleep(ACCEPT_POLL_S)
+                continue
+            if not self._slots.acquire(blocking=False):
+                log.warning("refused an engine core from %s: too many connecting", _name(address))
+                sock.close()
+                continue
+            threading.Thread(
+                target=self._admit, args=(sock, _name(address)), name="dp-auth", daemon=True
+            ).start()
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        try:
+            conn = authenticated(sock, self._authkey, server=True)
+        except Exception as err:  # a wrong key (AuthenticationError), silence, a peer that left
+            if not self._closing.is_set():
+                log.warning("refused an engine core from %s: %r", peer, err)
+            return
+        finally:
+            self._slots.release()
+        with self._gate:
+            if self._closing.is_set():  # one too many: it sees its connection close
                 conn.close()
             else:
-                self._accepted.put((conn, _name(self._listener.last_accepted)))
+                self._accepted.put((conn, peer))
 
     def replicas(
         self, count: int, connect_timeout: float, load_timeout: float = 600.0
     ) -> list[RemoteCoreClient]:
         """``count`` remote replicas, each loaded (its ``CoreInfo`` received); ReplicaError
-        when fewer connect within ``connect_timeout`` of listening, or what refused a
-        remote's model."""
+        when fewer connect within ``connect_timeout`` of listening, or the listener is
+        closed meanwhile, or what refused a remote's model."""
         deadline = self.since + connect_timeout
         log.info("waiting for %d remote engine core(s) on %s", count, self.address)
         clients: list[RemoteCoreClient] = []
         try:
             while len(clients) < count:
                 try:
-                    conn, peer = self._accepted.get(timeout=max(0.0, deadline - time.monotonic()))
+                    item = self._accepted.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     raise ReplicaError(
                         f"{count - len(clients)} of {count} remote engine cores did not connect "
                         f"to {self.address} within {connect_timeout:g} s "
                         "(--data-parallel-connect-timeout)"
                     ) from None
-                clients.append(RemoteCoreClient(conn, peer, load_timeout=load_timeout))
+                with self._gate:
+                    if item is None or self._closing.is_set():
+                        raise ReplicaError("stopped waiting for the remote engine cores")
+                    clients.append(RemoteCoreClient(*item, load_timeout=load_timeout))
+                    self._launching = clients[-1]
                 clients[-1].launch()
-                log.info("remote engine core %d of %d ready, at %s", len(clients), count, peer)
+                log.info("remote engine core %d of %d ready, at %s", len(clients), count, item[1])
         except BaseException:
-            for client in clients:
-                client.stop(0.0)
+            stop_all(clients, 0.0)
             raise
         return clients
 
     def close(self) -> None:
-        """Stop accepting: a core that comes later finds nothing listening."""
-        self._closing = True
-        host, port = self._listener.address
-        with contextlib.suppress(OSError):  # wakes the thread's accept()
-            wake = "127.0.0.1" if host in ("0.0.0.0", "") else host
-            socket.create_connection((wake, port), timeout=1.0).close()
+        """Stop accepting (a core that comes later finds nothing listening) and end a
+        remote's launch under way: ``replicas`` then fails at once."""
+        with self._gate:
+            self._closing.set()
+            launching, self._launching = self._launching, None
+        if launching is not None and launching.info is None:
+            launching.remote.terminate()
         self._thread.join(KILL_WAIT_S)
-        self._listener.close()
+        self._sock.close()
         while not self._accepted.empty():
-            self._accepted.get_nowait()[0].close()
+            item = self._accepted.get_nowait()
+            if item is not None:
+                item[0].close()
+        self._accepted.put(None)  # wakes ``replicas``
 
 
 def launch_replicas(
@@ -208,24 +246,37 @@ def launch_replicas(
     restarts: int = 0,
     connect_timeout: float = 300.0,
 ) -> list[CoreClient]:
-    """The head's replicas, all loaded: ``local`` cores spawned here, then ``remote`` ones
-    from headless nodes (listening first, so they load while the local ones do). They must
-    agree on what the router and the server read of the first (block size, block hash,
-    max_model_len). On any failure every replica gathered so far is stopped."""
+    """The head's replicas, all loaded: ``local`` cores spawned here, each on its own CUDA
+    devices (ValueError before anything starts when there are too few), and ``remote``
+    ones from headless nodes, all at once. They must agree on what the router and the
+    server read of the first (block size, block hash, max_model_len). On any failure
+    every replica is ended, then the first error raised."""
+    devices = local_devices(spec, local)
     listener = CoreListener(address, dp_authkey()) if remote else None
-    cores: list[CoreClient] = []
+    here = [LocalCoreClient(spec, d, restarts=restarts) for d in devices]
+    jobs: list[Callable[[], Any]] = [core.launch for core in here]
+    if listener is not None:
+        jobs.append(lambda: listener.replicas(remote, connect_timeout))
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(jobs)), "dp-launch")
+    futures = [pool.submit(job) for job in jobs]
     try:
-        for _ in range(local):
-            cores.append(CoreClient(spec, restarts=restarts))
-            cores[-1].launch()
-        if listener is not None:
-            cores += listener.replicas(remote, connect_timeout)
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for f in futures:  # the first failure, in replica order
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        cores: list[CoreClient] = [*here, *(futures[-1].result() if listener else ())]
         _check_alike(cores)
     except BaseException:
-        for core in cores:
-            core.stop(1.0)
+        for core in here:  # a core still loading ends at once
+            core.give_up()
+        if listener is not None:
+            listener.close()
+        concurrent.futures.wait(futures)
+        remotes = [c for f in futures[len(here) :] if not f.exception() for c in f.result()]
+        stop_all([*here, *remotes], 1.0)
         raise
     finally:
+        pool.shutdown(wait=False)
         if listener is not None:
             listener.close()
     return cores

@@ -239,7 +239,7 @@ def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     """The engine in core processes, here and on other hosts (``dp_remote``), or only
     the cores (``--headless``); the API process loads the tokenizer, not the weights."""
     from paged_engine.entrypoints.core_process import CoreSpec
-    from paged_engine.entrypoints.dp_client import DPClient
+    from paged_engine.entrypoints.dp_client import DPClient, stop_all
     from paged_engine.entrypoints.dp_headless import run_headless
     from paged_engine.entrypoints.dp_remote import ReplicaError, launch_replicas
     from paged_engine.entrypoints.server_runtime import run_core_server
@@ -274,8 +274,7 @@ def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
         client = cores[0] if len(cores) == 1 else DPClient(cores)
         return run_core_server(client, tokenizer, a.settings, model_root=str(a.model))
     finally:
-        for core in cores:
-            core.stop(1.0)
+        stop_all(cores, 1.0)
 
 
 def _exit_now(code: int) -> None:
