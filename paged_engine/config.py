@@ -60,6 +60,10 @@ class EngineConfig:
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None
     enable_prefix_caching: bool = True
+    mixed_steps: bool = False
+    """Every step decodes the running requests, then fills its token budget with prefill
+    chunks (vLLM V1's steps; docs/design.md, S2m), instead of a step being all-prefill or
+    all-decode. Off by default until measured to win (README, "Mixed steps")."""
     prefix_cache_hash: PrefixCacheHash = "xxh64"
     """The prefix cache's block hash (R4): "xxh64" is R4's formula and the fastest;
     "sha256" keys the cache by full 256-bit digests, so a crafted collision (one block
@@ -122,6 +126,8 @@ class EngineConfig:
         _positive_int("kvcache_block_size", self.kvcache_block_size)
         if self.num_kvcache_blocks is not None:
             _positive_int("num_kvcache_blocks", self.num_kvcache_blocks)
+        if not isinstance(self.mixed_steps, bool):
+            raise ValueError(f"mixed_steps must be a bool, got {self.mixed_steps!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"

@@ -90,7 +90,8 @@ class EngineArgs:
     pool in blocks), ``kv_cache_memory_bytes`` (the pool in bytes, CPU),
     ``gpu_memory_utilization``, ``max_logprobs``, ``dtype``, ``seed`` (None: 0, as vLLM
     V1), ``tensor_parallel_size``, ``enforce_eager``; this engine's own
-    ``attention_backend``, ``device``, ``num_threads``, ``max_n``, ``prefix_cache_hash``.
+    ``attention_backend``, ``device``, ``num_threads``, ``max_n``, ``prefix_cache_hash``,
+    ``mixed_steps``.
 
     vLLM's other arguments (``VLLM_ONLY`` says which values are refused, and why):
     ``pipeline_parallel_size`` (1), ``enable_chunked_prefill`` (None or True: prompts
@@ -113,6 +114,7 @@ class EngineArgs:
     max_num_seqs: int = _default("max_num_seqs")
     max_num_batched_tokens: int | None = _default("max_num_batched_tokens")
     enable_prefix_caching: bool = _default("enable_prefix_caching")
+    mixed_steps: bool = _default("mixed_steps")
     num_gpu_blocks_override: int | None = _default("num_kvcache_blocks")
     kv_cache_memory_bytes: int | None = _default("kv_cache_memory")
     gpu_memory_utilization: float = _default("gpu_memory_utilization")

@@ -89,8 +89,11 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         prefix_aware: bool = True,
+        mixed_steps: bool = False,
     ) -> None:
         self.allocator = allocator
+        self.mixed_steps = mixed_steps
+        """S2m: every step carries the decodes and then prefill chunks (vLLM V1's steps)."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -115,7 +118,8 @@ class Scheduler:
     # ---- S2-S7: choosing a step -------------------------------------------------------
 
     def schedule(self) -> tuple[list[SpecRequest], bool]:
-        """S2: a prefill step when S3 or S4 schedules anything, else a decode step (S6).
+        """S2: a prefill step when S3 or S4 schedules anything, else a decode step (S6);
+        S2m: with ``mixed_steps``, the decodes and then S3-S4's chunks in one step.
         Each scheduled sequence has ``num_scheduled_tokens`` set. Nothing schedulable
         while work remains is a stall: RuntimeError. If anything raises, ``recover()``
         has run (S11). The lockstep machine checks these after every step:
@@ -128,10 +132,16 @@ class Scheduler:
         if self.in_flight:
             raise RuntimeError("schedule: the previous step was not post-processed or recovered")
         try:
-            batch = self._schedule_prefill()
-            is_prefill = bool(batch)
-            if not is_prefill:
+            if self.mixed_steps:  # S2m: the decodes first, then chunks in what is left
                 batch = self._schedule_decode()
+                seats, budget = self.max_num_seqs - len(batch), self.max_num_batched_tokens
+                prefills = self._schedule_prefill(seats, budget - len(batch))
+                batch, is_prefill = batch + prefills, bool(prefills)
+            else:
+                batch = self._schedule_prefill(self.max_num_seqs, self.max_num_batched_tokens)
+                is_prefill = bool(batch)
+                if not is_prefill:
+                    batch = self._schedule_decode()
             if not batch:
                 raise RuntimeError("scheduler stalled: work remains and nothing can run")
         except BaseException:
@@ -142,17 +152,18 @@ class Scheduler:
         self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, in_use)
         return batch, is_prefill
 
-    def _schedule_prefill(self) -> list[SpecRequest]:
-        budget = self.max_num_batched_tokens
+    def _schedule_prefill(self, seats: int, budget: int) -> list[SpecRequest]:
+        """S3-S5 within ``seats`` sequences and ``budget`` tokens. S5 sees the blocks the
+        prefill chunks complete, not those a decode in the same step (S2m) completes."""
         batch: list[SpecRequest] = []
         completed: list[tuple[int, tuple[int, ...]]] = []  # S5: blocks this step completes
         for seq in self.running:  # S3: chunked prefills continue first, in running order
-            if seq.is_prefill and len(batch) < self.max_num_seqs and budget > 0:
+            if seq.is_prefill and len(batch) < seats and budget > 0:
                 self._touch(seq)
                 budget -= self._chunk(seq, budget, completed)
                 batch.append(seq)
         i = 0  # S4: then admission from the head of waiting
-        while i < len(self.waiting) and len(batch) < self.max_num_seqs and budget > 0:
+        while i < len(self.waiting) and len(batch) < seats and budget > 0:
             seq = self.waiting[i]
             hits = self.allocator.can_allocate(seq)
             if hits is None:
@@ -201,9 +212,13 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[SpecRequest]:
         """S6: every running sequence from the front computes its newest token, within
-        min(max_num_seqs, max_num_batched_tokens); R7 grows its table."""
+        min(max_num_seqs, max_num_batched_tokens); R7 grows its table. S2m: the decodes
+        end at the first chunked prefill in running (the decoding sequences are its head:
+        the lockstep machine checks it), which may be preempted (S7) as any running
+        sequence not yet scheduled."""
         batch: list[SpecRequest] = []
-        while self.running and len(batch) < min(self.max_num_seqs, self.max_num_batched_tokens):
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
+        while self.running and len(batch) < limit and not self.running[0].is_prefill:
             seq = self.running.pop(0)
             self._touch(seq)
             while not self.allocator.can_append(seq):
@@ -243,7 +258,8 @@ class Scheduler:
             self.allocator.hash_blocks(seq)
             n = seq.num_scheduled_tokens
             seq.num_cached_tokens += n
-            if is_prefill and seq.num_cached_tokens < len(seq):
+            prefill_row = seq.is_prefill  # S2m: a step may hold both kinds of row
+            if prefill_row and seq.num_cached_tokens < len(seq):
                 self.stats.prefill_tokens += n  # a chunk that samples nothing
                 self._commit(seq)
                 continue
@@ -262,7 +278,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self.finished.append(seq)
                 finished.append(seq)
-            if is_prefill:  # S12
+            if prefill_row:  # S12
                 self.stats.prefill_tokens += n
             else:
                 self.stats.decode_tokens += 1

@@ -158,6 +158,7 @@ def make_machine(
             max_num_seqs=st.integers(1, 6),
             max_num_batched_tokens=st.one_of(st.integers(1, 8), st.integers(1, 96)),
             eos=st.integers(0, VOCAB - 1),
+            mixed_steps=st.booleans(),
         )
         def setup(
             self,
@@ -167,6 +168,7 @@ def make_machine(
             max_num_seqs: int,
             max_num_batched_tokens: int,
             eos: int,
+            mixed_steps: bool,
         ) -> None:
             # Down to the smallest legal pool: one max_model_len sequence.
             pool = num_blocks(max_model_len, block_size) + extra_blocks
@@ -176,6 +178,7 @@ def make_machine(
                 max_model_len=max_model_len,
                 kvcache_block_size=block_size,
                 num_kvcache_blocks=pool,
+                mixed_steps=mixed_steps,
             )
             self.engines = [
                 build_engine(self.config, spec, scheduler_cls, eos, FakeTokenizer(), engine_cls)

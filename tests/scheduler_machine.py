@@ -148,6 +148,7 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             prefix_caching=st.booleans(),
             hash_name=st.sampled_from(["xxh64", "sha256", "colliding"]),
             chunk_results=st.sampled_from([None, 0]),
+            mixed_steps=st.booleans(),
         )
         def setup(
             self,
@@ -160,6 +161,7 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             prefix_caching: bool,
             hash_name: str,
             chunk_results: int | None,
+            mixed_steps: bool,
         ) -> None:
             pool = num_blocks(max_model_len, block_size) + extra_blocks  # down to the least
             self.pool, self.block_size, self.max_model_len = pool, block_size, max_model_len
@@ -181,6 +183,7 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 prefix_aware=prefix_caching,
+                mixed_steps=mixed_steps,
             )
             self.spec = SpecScheduler(self.spec_bm, eos_token_ids=self.eos, **limits)  # type: ignore[arg-type]
             self.engine = scheduler_cls(
@@ -440,6 +443,9 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             """Between steps: the two sides hold the same state, nothing in flight."""
             assert not self.spec.in_flight and not self.engine._in_flight, "left in flight"
             self._same_state()
+            for side in (self.spec.running, self.engine.running):  # S2m's premise, both sides
+                kinds = [s.is_prefill for s in side]
+                assert kinds == sorted(kinds), f"a decoding sequence after a chunk: {kinds}"
 
         def _same_state(self) -> None:
             spec, engine = self.spec, self.engine

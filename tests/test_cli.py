@@ -207,6 +207,7 @@ ENGINE_DEFAULTS = {
     "--no-enable-prefix-caching": "True",
     "--no-prefix-caching": None,  # an alias: described as one, no default of its own
     "--prefix-cache-hash": "xxh64",
+    "--mixed-steps": "False",
     "--gpu-memory-utilization": "0.9",
     "--seed": "0",
     "--threads": "auto",

@@ -34,15 +34,15 @@ from paged_engine.engine.sequence import Sequence, SequenceStatus
 class PrefillAdmission(SchedulerState):
     """The scheduler's prefill step (S3, S4, S5): a base class of ``Scheduler``."""
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        """The prefill step's batch, each with ``num_scheduled_tokens`` set; empty when
-        nothing can prefill (the step then decodes)."""
-        budget = self.max_num_batched_tokens
+    def _schedule_prefill(self, seats: int, budget: int) -> list[Sequence]:
+        """The prefill step's batch (or a mixed step's chunks: S2m) within ``seats``
+        sequences and ``budget`` tokens, each with ``num_scheduled_tokens`` set; empty
+        when nothing can prefill (the step then decodes)."""
         batch: list[Sequence] = []
         completing_blocks: set[BlockKey] = set()  # what a waiting request may wait for (S5)
         in_flight = self._in_flight
         for seq in self.running:  # S3: chunked prefills continue first, in running order
-            if len(batch) == self.max_num_seqs or budget == 0:
+            if len(batch) >= seats or budget <= 0:
                 return batch
             if seq.is_prefill:
                 in_flight[seq] = seq.num_tokens
@@ -50,7 +50,7 @@ class PrefillAdmission(SchedulerState):
                 batch.append(seq)
         waiting = self.waiting
         num_deferred = 0  # S5: deferred requests stay at the head of waiting, in order
-        while num_deferred < len(waiting) and len(batch) < self.max_num_seqs and budget > 0:
+        while num_deferred < len(waiting) and len(batch) < seats and budget > 0:
             seq = waiting[num_deferred]
             num_cached_blocks = self.block_manager.can_allocate(seq)
             if num_cached_blocks is None:

@@ -2,9 +2,8 @@
 
 The engine is torch-free: the model runner is anything with ``run(seqs, is_prefill)``
 returning one result per scheduled sequence (a token id, a ``FailedSample``, None for a
-prefill chunk that samples nothing, or a ``SampleOutput`` carrying logprobs too). That lets
-the whole loop be verified with a deterministic fake model in milliseconds, and the real
-runner (``worker/model_runner.py``) plug in unchanged.
+prefill chunk that samples nothing, or a ``SampleOutput`` carrying logprobs too), so the
+loop is verified with a fake model in milliseconds and the real runner plugs in unchanged.
 
 Every request is parsed and validated in full before any state changes
 (``request_builder.py``): a refused request leaves the engine exactly as it was. A step
@@ -106,6 +105,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             eos_token_ids=eos_ids,
             prefix_aware=config.enable_prefix_caching,
+            mixed_steps=config.mixed_steps,
         )
         self._requests: dict[str, Request] = {}
         self._builder = RequestBuilder(config, pool, vocab_size, tokenizer)

@@ -29,7 +29,10 @@ class DecodeWithPreemption(SchedulerState):
         max_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
         batch: list[Sequence] = []
         running, in_flight = self.running, self._in_flight
-        while running and len(batch) < max_batch:
+        # S2m: running's decoding sequences are its head (a chunk continues before any
+        # later one, so no sequence finishes its prefill before an earlier one): a mixed
+        # step's decodes end at the first chunked prefill, which is left to its chunk.
+        while running and len(batch) < max_batch and not running[0].is_prefill:
             seq = running[0]
             in_flight[seq] = seq.num_tokens
             running.popleft()

@@ -90,10 +90,17 @@ class Scheduler(PrefillAdmission, DecodeWithPreemption):
                 "schedule: the previous step was neither post-processed nor recovered"
             )
         try:
-            batch = self._schedule_prefill()
-            is_prefill = bool(batch)
-            if not is_prefill:
+            if self.mixed_steps:  # S2m: the decodes first, then chunks in what is left
                 batch = self._schedule_decode()
+                seats, budget = self.max_num_seqs - len(batch), self.max_num_batched_tokens
+                prefills = self._schedule_prefill(seats, budget - len(batch))
+                batch += prefills
+                is_prefill = bool(prefills)
+            else:
+                batch = self._schedule_prefill(self.max_num_seqs, self.max_num_batched_tokens)
+                is_prefill = bool(batch)
+                if not is_prefill:
+                    batch = self._schedule_decode()
             if not batch:
                 raise RuntimeError(
                     f"scheduler stalled: {len(self.waiting)} waiting, {len(self.running)} "
@@ -131,7 +138,8 @@ class Scheduler(PrefillAdmission, DecodeWithPreemption):
             block_manager.hash_blocks(seq)
             computed = seq.num_scheduled_tokens
             seq.num_cached_tokens += computed
-            if is_prefill and seq.num_cached_tokens < seq.num_tokens:
+            prefill_row = seq.is_prefill  # S2m: a step may hold both kinds of row
+            if prefill_row and seq.num_cached_tokens < seq.num_tokens:
                 stats.prefill_tokens += computed  # S8: a chunk that samples nothing
                 del in_flight[seq]  # commit
                 continue
@@ -155,7 +163,7 @@ class Scheduler(PrefillAdmission, DecodeWithPreemption):
                 self.running.remove(seq)
                 self.finished.append(seq)
                 finished.append(seq)
-            if is_prefill:
+            if prefill_row:
                 stats.prefill_tokens += computed
             else:
                 stats.decode_tokens += 1

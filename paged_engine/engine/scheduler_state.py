@@ -104,12 +104,15 @@ class SchedulerState:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         prefix_aware: bool = True,
+        mixed_steps: bool = False,
     ) -> None:
         """``eos_token_ids``: every id that ends a request (unless it ignores EOS);
         ``prefix_aware``: defer a request whose next block an earlier request computes in
-        the same step (S5, see admission.py); pass False without prefix caching."""
+        the same step (S5, see admission.py); pass False without prefix caching;
+        ``mixed_steps``: each step decodes, then prefills in what is left (S2m)."""
         self.block_manager = block_manager
         self.prefix_aware = prefix_aware
+        self.mixed_steps = mixed_steps
         self._hash_chain = allocator_chain(block_manager) if prefix_aware else None
         """How the allocator keys blocks (S5); None without prefix-aware admission."""
         self.num_blocks = num_blocks

@@ -30,6 +30,7 @@ ENGINE_FLAGS: dict[str, str] = {
     "device": "--device",
     "dtype": "--dtype",
     "enable_prefix_caching": "--enable-prefix-caching",
+    "mixed_steps": "--mixed-steps",
     "prefix_cache_hash": "--prefix-cache-hash",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "seed": "--seed",
@@ -140,6 +141,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         default=argparse.SUPPRESS,
         help="the same as --no-enable-prefix-caching",
+    )
+    add(
+        "--mixed-steps",
+        action="store_true",
+        help="each step decodes the running requests, then prefills in the budget left "
+        "(vLLM V1's steps; default: a step prefills, or else decodes)",
     )
     add(
         "--prefix-cache-hash",

@@ -73,7 +73,7 @@ class BatchBuilder:
                 and seq.sampling_params.prompt_logprobs is not None
             ):
                 prompt_spans.append((i, len(input_ids), start, num_prompt_rows))
-            if is_prefill:
+            if seq.is_prefill:  # per row: a mixed step (S2m) holds decodes among chunks
                 input_ids.extend(seq.token_ids[start:end])
             else:
                 input_ids.append(seq.last_token)  # a pickled decoding sequence has no token_ids
