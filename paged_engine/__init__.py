@@ -2,7 +2,7 @@
 
 vLLM's offline names are importable from here: ``LLM``, ``LLMEngine``, ``EngineArgs``,
 ``SamplingParams``, ``RequestOutputKind``, ``RequestOutput``, ``CompletionOutput``,
-``TextPrompt``, ``TokensPrompt``.
+``TextPrompt``, ``TokensPrompt``, ``BeamSearchParams``.
 
 Importing this package (or ``paged_engine.engine``) never imports torch: the allocator and
 scheduler are usable on their own. ``LLM`` and ``LLMEngine`` (which load models, so need
@@ -24,6 +24,7 @@ from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 prepare_openmp()  # before anything imports torch: none of the modules above does
 
 if TYPE_CHECKING:
+    from paged_engine.beam_search import BeamSearchParams
     from paged_engine.engine.inputs import TextPrompt, TokensPrompt
     from paged_engine.engine.request import CompletionOutput, RequestOutput
     from paged_engine.llm import LLM
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineArgs",
     "EngineConfig",
@@ -45,6 +47,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "paged_engine.llm",
+    "BeamSearchParams": "paged_engine.beam_search",
     "LLMEngine": "paged_engine.llm_engine",
     "CompletionOutput": "paged_engine.engine.request",
     "RequestOutput": "paged_engine.engine.request",

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
+from paged_engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from paged_engine.engine.request import RequestOutput
 from paged_engine.engine.stats import RunStats
 from paged_engine.engine_args import engine_args_from_kwargs
@@ -199,6 +200,35 @@ class LLM:
             ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: object,
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+        lora_request: object = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (``beam_search.py``): for each prompt (text, token ids, a
+        ``TextPrompt`` or ``TokensPrompt``; one or a list), the best ``beam_width`` beams,
+        best first. The beams share blocks through the prefix cache."""
+        self._check_open()
+        refuse_lora(lora_request)
+        batch = list(prompts) if isinstance(prompts, list | tuple) else [prompts]
+        if batch and all(isinstance(t, int) for t in batch):  # one prompt's token ids
+            batch = [batch]
+        tok = self.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return str(tok.decode(ids, skip_special_tokens=True))
+
+        return beam_search(
+            lambda ps, sp: self.generate(ps, sp, use_tqdm=use_tqdm),
+            batch,
+            params,
+            eos_token_ids=self.llm_engine.eos_token_ids,
+            decode=None if tok is None else decode,
+        )
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -122,6 +122,7 @@ class MultiprocessLLMEngine:
         """config.json and generation_config.json, read here as by the core."""
         self.hf_tokenizer: Any = files.tokenizer
         self.vocab_size = files.model_config.vocab_size
+        self.eos_token_ids: tuple[int, ...] = files.eos_token_ids or ()
         spec = CoreSpec(str(engine_args.model), core_kwargs(engine_args))
         self._client = _new_client(spec, files.tokenizer, load_timeout)
         self.info: CoreInfo = self._client.launch()
