@@ -2,7 +2,7 @@
 
 vLLM's offline names are importable from here: ``LLM``, ``LLMEngine``, ``EngineArgs``,
 ``SamplingParams``, ``RequestOutputKind``, ``RequestOutput``, ``CompletionOutput``,
-``TextPrompt``, ``TokensPrompt``, ``BeamSearchParams``.
+``TextPrompt``, ``TokensPrompt``, ``BeamSearchParams``, ``PoolingParams``.
 
 Importing this package (or ``paged_engine.engine``) never imports torch: the allocator and
 scheduler are usable on their own. ``LLM`` and ``LLMEngine`` (which load models, so need
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from paged_engine.engine.request import CompletionOutput, RequestOutput
     from paged_engine.llm import LLM
     from paged_engine.llm_engine import LLMEngine
+    from paged_engine.pooling import PoolingParams
 
 __all__ = [
     "LLM",
@@ -37,6 +38,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "LLMEngine",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
@@ -48,6 +50,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "paged_engine.llm",
     "BeamSearchParams": "paged_engine.beam_search",
+    "PoolingParams": "paged_engine.pooling",
     "LLMEngine": "paged_engine.llm_engine",
     "CompletionOutput": "paged_engine.engine.request",
     "RequestOutput": "paged_engine.engine.request",

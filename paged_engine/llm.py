@@ -25,6 +25,7 @@ from paged_engine.engine.stats import RunStats
 from paged_engine.engine_args import engine_args_from_kwargs
 from paged_engine.llm_engine import LLMEngine, model_dir_of, refuse_lora
 from paged_engine.mp_engine import MultiprocessLLMEngine
+from paged_engine.pooling import EmbeddingRequestOutput, PoolingRequestOutput, embed, encode
 from paged_engine.sampling_params import SamplingParams
 from paged_engine.utils.generation_defaults import default_sampling_values
 from paged_engine.worker.model_runner import ModelRunner
@@ -229,6 +230,29 @@ class LLM:
             eos_token_ids=self.llm_engine.eos_token_ids,
             decode=None if tok is None else decode,
         )
+
+    def embed(
+        self, prompts: object, pooling_params: object = None, *, use_tqdm: bool = False
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``embed``: each prompt's pooled, normalised last hidden state
+        (``pooling.py``; ``PoolingParams`` picks LAST or MEAN and normalisation)."""
+        self._check_open()
+        return embed(self._pooling_engine(), prompts, pooling_params)
+
+    def encode(
+        self, prompts: object, pooling_params: object = None, *, use_tqdm: bool = False
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's ``encode``: ``embed``'s vectors as tensors."""
+        self._check_open()
+        return encode(self._pooling_engine(), prompts, pooling_params)
+
+    def _pooling_engine(self) -> LLMEngine:
+        if self.model_runner is None:
+            raise NotImplementedError(
+                "embed/encode run in this process's engine: not with "
+                f"{MULTIPROCESSING_ENV}=1 (the engine core is in another process)"
+            )
+        return self.llm_engine
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
