@@ -1,0 +1,247 @@
+"""The machine's read bandwidth, and the CPU decode kernel's effective read bandwidth on the
+29M model's shapes: issue 25, item 2's measurement (bench/test_bandwidth_bench.py runs this
+in a fresh interpreter and records the figures).
+
+* ``stream``: a STREAM-like read of a float32 buffer far larger than the last-level cache
+  (``STREAM_BYTES``), reduced by ``torch.sum`` and by ``numpy.sum``, at 1 thread and at
+  every usable CPU; GB/s = bytes / seconds of one pass (1 GB = 1e9 bytes). The machine's
+  read bandwidth at a thread count is the best of the two readers.
+* ``decode``: ``run_paged_decode_cpu`` (checks made once, as a step makes them) for
+  ``batch`` sequences of ``context`` tokens in 16-token blocks (the engine's default), the
+  29M model's heads (8 query / 4 KV heads, head_dim 64), float32 and bfloat16. Bytes per
+  call = the K and V rows the contexts cover, ``2 * batch * context * kv_heads * head_dim *
+  itemsize`` (the query, tables and output are below 1% of it and not counted). ``cold``:
+  each call reads the next copy of the batch's blocks, shuffled over a pool of at least
+  ``COLD_BYTES`` (8x the last-level cache here), so every call streams from memory as one
+  layer of a real step does (the model's weights evict the cache between layers);
+  ``ordered``: the same, but each copy's blocks consecutive in the pool, sequence after
+  sequence (the best case for the hardware prefetcher: what the block tables' jumps cost
+  is cold against ordered); ``hot``: the same blocks every call (cached where they fit: a
+  ceiling on what the kernel's arithmetic allows). The fraction is cold (and ordered) GB/s
+  over the machine's read bandwidth at the same thread count.
+
+Every setting is measured ``rounds`` times, thread counts alternating (1, N then N, 1, ...);
+per setting the best (fastest) and the median pass or call.
+
+Run alone: ``python -m bench.bandwidth [--rounds N] [--quick]``; prints one line per cell and
+the figures as the last line, a JSON object. Import paged_engine first (it sets OpenMP's
+passive wait before torch loads it, as a user gets it); the caller removes ``OMP_*``.
+"""
+
+from __future__ import annotations
+
+import paged_engine  # noqa: F401  (first: OMP_WAIT_POLICY before torch loads OpenMP)
+
+# isort: split
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.models import MODELS
+from paged_engine.kernels.paged_decode_cpu import (
+    bf16_variants,
+    check_paged_decode_cpu,
+    run_paged_decode_cpu,
+)
+
+STREAM_BYTES = 512 * 2**20
+"""The stream buffer: 16x a 32 MiB last-level cache."""
+COLD_BYTES = 256 * 2**20
+"""The least K+V a cold decode cell rotates over (8x a 32 MiB last-level cache)."""
+BLOCK_SIZE = 16
+BATCHES = (8, 32)
+CONTEXTS = (128, 512)
+SHAPE = MODELS["qwen3-29m"]
+
+
+def usable_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_counts() -> tuple[int, ...]:
+    n = usable_threads()
+    return (1,) if n == 1 else (1, n)
+
+
+def dtypes() -> tuple[torch.dtype, ...]:
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported() and bool(bf16_variants())
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _alternating(rounds: int, counts: tuple[int, ...]) -> list[int]:
+    order: list[int] = []
+    for r in range(rounds):
+        order += list(counts if r % 2 == 0 else counts[::-1])
+    return order
+
+
+def _summary(times: list[float], nbytes: int) -> dict[str, float]:
+    best, median = min(times), statistics.median(times)
+    return {
+        "us_min": round(best * 1e6, 1),
+        "us_median": round(median * 1e6, 1),
+        "gbs_best": round(nbytes / best / 1e9, 2),
+        "gbs_median": round(nbytes / median / 1e9, 2),
+        "samples": len(times),
+    }
+
+
+def stream(rounds: int, nbytes: int = STREAM_BYTES, passes: int = 3) -> dict[str, Any]:
+    """Read bandwidth per thread count: ``{f"{reader}_{n}t": summary}`` and
+    ``f"read_{n}t_gbs_best"``/``_median`` (the better reader's)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)  # written: every page is mapped
+    arr = buf.numpy()
+    readers: dict[str, Callable[[], object]] = {
+        "torch_sum": lambda: buf.sum(),
+        "numpy_sum": lambda: arr.sum(),
+    }
+    times: dict[str, list[float]] = {}
+    for n in _alternating(rounds, thread_counts()):
+        torch.set_num_threads(n)  # numpy's sum is single-threaded whatever n says
+        for name, read in readers.items():
+            if name == "numpy_sum" and n > 1:
+                continue
+            read()  # warm: the first pass after a switch pays the threads' start
+            for _ in range(passes):
+                start = time.perf_counter()
+                read()
+                times.setdefault(f"{name}_{n}t", []).append(time.perf_counter() - start)
+    out: dict[str, Any] = {k: _summary(v, nbytes) for k, v in times.items()}
+    for n in thread_counts():
+        cells = [v for k, v in out.items() if k.endswith(f"_{n}t")]
+        for stat in ("best", "median"):
+            out[f"read_{n}t_gbs_{stat}"] = max(c[f"gbs_{stat}"] for c in cells)
+    return out
+
+
+def decode_cell(
+    batch: int, context: int, dtype: torch.dtype, rounds: int, calls: int, cold_bytes: int
+) -> dict[str, Any]:
+    """The kernel's cold, ordered and hot per-call figures at each thread count (see the
+    module)."""
+    heads, kv_heads, dim = SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = 2 * batch * context * kv_heads * dim * itemsize
+    copies = max(2, math.ceil(cold_bytes / nbytes))
+    width = -(-context // BLOCK_SIZE)
+    num_blocks = copies * batch * width
+    gen = torch.Generator().manual_seed(0)
+    k = torch.rand(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).sub_(0.5).to(dtype)
+    v = torch.rand(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).sub_(0.5).to(dtype)
+    shuffled = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    in_order = torch.arange(num_blocks, dtype=torch.int32)
+    tables = {
+        mode: [t.contiguous() for t in ids.view(copies, batch, width).unbind(0)]
+        for mode, ids in (("cold", shuffled), ("ordered", in_order))
+    }
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.rand(batch, heads, dim, generator=gen).sub_(0.5).to(dtype)
+    out = torch.empty_like(q)
+    scale = dim**-0.5
+    counts = thread_counts()
+    launches = {
+        n: check_paged_decode_cpu(q, k, v, tables["cold"][0], seq_lens, num_threads=n)
+        for n in counts
+    }
+    times: dict[str, list[float]] = {}
+    turn = dict.fromkeys(tables, 0)  # copies 1.. in turn, across rounds: 0 is the hot one
+    for n in _alternating(rounds, counts):
+        launch = launches[n]
+        for mode in ("cold", "ordered", "hot"):
+            for i in range(calls + 1):  # call 0 warms up
+                table = tables["cold"][0]
+                if mode != "hot":
+                    table = tables[mode][1 + turn[mode] % (copies - 1)]
+                    turn[mode] += 1
+                start = time.perf_counter()
+                run_paged_decode_cpu(launch, q, k, v, table, seq_lens, scale, out)
+                elapsed = time.perf_counter() - start
+                if i:
+                    times.setdefault(f"{mode}_{n}t", []).append(elapsed)
+    return {
+        "kv_bytes_per_call": nbytes,
+        "copies": copies,
+        **{key: _summary(ts, nbytes) for key, ts in times.items()},
+    }
+
+
+def measure(rounds: int, quick: bool = False) -> dict[str, Any]:
+    """Every figure (see the module); ``quick``: a small buffer and pool, few calls (a smoke
+    run whose figures mean nothing)."""
+    cold_bytes = 4 * 2**20 if quick else COLD_BYTES
+    result: dict[str, Any] = {
+        "threads": list(thread_counts()),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_supported": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "bf16_variants": list(bf16_variants()),
+        "stream_bytes": 8 * 2**20 if quick else STREAM_BYTES,
+        "cold_bytes": cold_bytes,
+        "load_avg_before": round(os.getloadavg()[0], 2),
+    }
+    result["stream"] = stream(rounds, result["stream_bytes"])
+    print(stream_line(result), flush=True)
+    result["decode"] = {}
+    for dtype in dtypes():
+        for batch in BATCHES:
+            for context in CONTEXTS:
+                calls = 4 if quick else 32
+                cell = decode_cell(batch, context, dtype, rounds, calls, cold_bytes)
+                for n in thread_counts():
+                    for stat in ("best", "median"):
+                        read = result["stream"][f"read_{n}t_gbs_{stat}"]
+                        for mode in ("cold", "ordered"):
+                            frac = cell[f"{mode}_{n}t"][f"gbs_{stat}"] / read
+                            cell[f"{mode}_{n}t"][f"fraction_{stat}"] = round(frac, 3)
+                name = f"{dtype_name(dtype)}_b{batch}_c{context}"
+                result["decode"][name] = cell
+                print(cell_line(name, cell, result["threads"]), flush=True)
+    result["load_avg_after"] = round(os.getloadavg()[0], 2)
+    return result
+
+
+def stream_line(result: dict[str, Any]) -> str:
+    parts = []
+    for n in result["threads"]:
+        s = result["stream"]
+        parts.append(f"{n}t {s[f'read_{n}t_gbs_best']} GB/s ({s[f'read_{n}t_gbs_median']})")
+    return "stream read (best (median)): " + ", ".join(parts)
+
+
+def cell_line(name: str, cell: dict[str, Any], threads: list[int]) -> str:
+    parts = []
+    for n in threads:
+        c, o, h = cell[f"cold_{n}t"], cell[f"ordered_{n}t"], cell[f"hot_{n}t"]
+        parts.append(
+            f"{n}t cold {c['gbs_best']} GB/s ({c['gbs_median']}) = "
+            f"{c['fraction_best']:.0%} ({c['fraction_median']:.0%}) of stream, "
+            f"{c['us_min']} us/call; ordered {o['gbs_best']} GB/s = {o['fraction_best']:.0%}; "
+            f"hot {h['gbs_best']} GB/s"
+        )
+    mib = cell["kv_bytes_per_call"] / 2**20
+    return f"decode {name} ({mib:.2f} MiB K+V/call): " + "; ".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes")
+    args = parser.parse_args()
+    print(json.dumps(measure(args.rounds, args.quick)))
+
+
+if __name__ == "__main__":
+    main()
