@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
+
+# A shell that starts pytest in the background without job control (`cmd &` in a script)
+# starts it with SIGINT ignored, and every child inherits that: the Ctrl-C tests would then
+# test nothing. They are about the user's terminal, where SIGINT is Python's default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Triton kernels run under its interpreter on machines without CUDA. Triton reads the
 # variable when it is first imported, so it is set here, before any test module loads.

@@ -57,13 +57,8 @@ class NoHashAfterChunk(Scheduler):
 class AdmitPastTokenBudget(Scheduler):
     """Admission schedules whole prompts, ignoring max_num_batched_tokens."""
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        budget = self.max_num_batched_tokens
-        self.max_num_batched_tokens = 1 << 30
-        try:
-            return super()._schedule_prefill()
-        finally:
-            self.max_num_batched_tokens = budget
+    def _schedule_prefill(self, seats: int, budget: int) -> list[Sequence]:
+        return super()._schedule_prefill(seats, 1 << 30)
 
 
 class MaxTokensOffByOne(Scheduler):
@@ -151,10 +146,10 @@ class NewestFirst(Scheduler):
 class DecodeBeforePrefill(Scheduler):
     """S2: while any running sequence decodes, nothing prefills."""
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _schedule_prefill(self, seats: int, budget: int) -> list[Sequence]:
         if any(not s.is_prefill for s in self.running):
             return []
-        return super()._schedule_prefill()
+        return super()._schedule_prefill(seats, budget)
 
 
 class DeferByPosition(Scheduler):
