@@ -239,3 +239,70 @@ def test_a_disconnect_closes_the_stream_and_is_reported() -> None:
     streams.core_ended("b", "aborted", obs)
     assert len(streams) == 0
     assert streams.deliver([(0, wire("b", [1]))], obs)[0] == []  # late news: dropped
+
+
+class _UnstableTok(_Tok):
+    """As ``_Tok``, but ``1, 2`` together decode to "Z": text that is not prefix-stable
+    (as ``clean_up_tokenization_spaces`` makes), so pieces differ from the whole."""
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return super().decode(ids, skip_special_tokens).replace("bc", "Z")
+
+
+def test_a_final_only_request_s_text_is_decoded_once_at_the_end_as_in_process() -> None:
+    """In process, a ``FINAL_ONLY`` request without stop strings is decoded once, whole
+    (``request_builder``); the API process does the same, so both give the same text."""
+    tok = _UnstableTok()
+    final = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY)
+    stopped = replace(final, stop=("zz",))
+    streams = CoreStreams(tok)
+    sink: asyncio.Queue[Any] = asyncio.Queue()
+    streams.open(0, sink, [("a", [1], final), ("b", [1], stopped)])
+    obs = _Observer()
+    steps = [[0, 1], [2], [3]]
+    for i, tokens in enumerate(steps):
+        finish = "length" if i == len(steps) - 1 else None
+        batch, _ = streams.deliver([(0, wire(r, tokens, finish)) for r in "ab"], obs)
+    got = {e.request_id: e.outputs[0].text for _, e in batch}
+    assert got["a"] == tok.decode([0, 1, 2, 3]) == "aZd"
+    assert got["b"] != got["a"]  # stop strings are searched in text made as it comes
+
+
+def test_news_of_a_request_that_ended_here_is_dropped() -> None:
+    """A stop string ended "a" here: the core's later failure of it reaches no one (its
+    client has its final output), while "b" of the same submit goes on."""
+    streams = CoreStreams(_Tok())
+    sink: asyncio.Queue[Any] = asyncio.Queue()
+    params = SamplingParams(max_tokens=8, stop=("c",), output_kind=RequestOutputKind.DELTA)
+    streams.open(0, sink, [("a", [1], params), ("b", [1], SamplingParams(max_tokens=8))])
+    obs = _Observer()
+    batch, ended_here = streams.deliver([(0, wire("a", [0, 1, 2]))], obs)
+    assert ended_here == ["a"] and batch[0][1].finished
+    late = RequestFailed("a", "the engine failed", 500)
+    batch, _ = streams.deliver([(0, late), (0, wire("b", [3]))], obs)
+    assert [(type(e).__name__, e.request_id) for _, e in batch] == [("RequestOutput", "b")]
+
+
+def test_a_finished_request_whose_text_fails_is_not_aborted_in_the_core() -> None:
+    """The core has ended it already (its report came first): nothing to abort there,
+    and nothing waits for a report that will not come."""
+    streams = CoreStreams(_Tok())
+    sink: asyncio.Queue[Any] = asyncio.Queue()
+    streams.open(0, sink, [("a", [1], SamplingParams(max_tokens=1))])
+    obs = _Observer()
+    streams.core_ended("a", "finished", obs)  # sent before the events, as the core does
+    batch, ended_here = streams.deliver([(0, wire("a", [13], "length"))], obs)
+    assert ended_here == [] and isinstance(batch[0][1], RequestFailed)
+    assert obs.calls == [("ended", ("a", "failed"))] and len(streams) == 0
+
+
+def test_a_merged_output_keeps_its_lists_while_more_is_gathered() -> None:
+    streams = CoreStreams(_Tok())
+    sink: asyncio.Queue[Any] = asyncio.Queue()
+    cumulative = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.CUMULATIVE)
+    streams.open(0, sink, [("a", [1], cumulative)])
+    obs = _Observer()
+    (first,) = [e for _, e in streams.deliver([(0, wire("a", [0, 1]))], obs)[0]]
+    (second,) = [e for _, e in streams.deliver([(0, wire("a", [2], "length"))], obs)[0]]
+    assert first.outputs[0].token_ids == [0, 1] and first.outputs[0].text == "ab"
+    assert second.outputs[0].token_ids == [0, 1, 2] and second.outputs[0].text == "abc"

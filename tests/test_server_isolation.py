@@ -15,6 +15,7 @@ import pytest
 
 from paged_engine.config import EngineConfig
 from paged_engine.engine.request import RequestOutput
+from paged_engine.entrypoints.core_wire import Restarted, core_params
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.entrypoints.isolation import Quarantine, Suspect
 from paged_engine.entrypoints.loop_types import RequestFailed
@@ -39,6 +40,18 @@ class PoisonedRunner(CheckedRunner):
 
     def run(self, seqs: list[Any], is_prefill: bool) -> list[int]:
         if any(s.token_ids[: len(POISON)] == POISON for s in seqs):
+            self.calls += 1
+            raise RuntimeError("the poisoned request is in the batch")
+        time.sleep(0.002)
+        return super().run(seqs, is_prefill)
+
+
+class LatePoisonedRunner(CheckedRunner):
+    """The fake model, raising once a sequence of the poisoned prompt has 3 tokens: its
+    first steps succeed, so it is no longer new when the steps begin to fail."""
+
+    def run(self, seqs: list[Any], is_prefill: bool) -> list[int]:
+        if any(s.token_ids[: len(POISON)] == POISON and len(s.token_ids) >= 9 for s in seqs):
             self.calls += 1
             raise RuntimeError("the poisoned request is in the batch")
         time.sleep(0.002)
@@ -72,6 +85,9 @@ async def drain(sink: asyncio.Queue[Any], ids: set[str]) -> dict[str, list[int] 
     tokens: dict[str, list[int]] = {r: [] for r in ids}
     while len(got) < len(ids):
         event = await asyncio.wait_for(sink.get(), 30)
+        if isinstance(event, Restarted):  # relayed: what came of it so far is void
+            tokens[event.request_id] = []
+            continue
         if isinstance(event, RequestFailed):
             got[event.request_id] = f"failed {event.status}: {event.message}"
             continue
@@ -83,21 +99,30 @@ async def drain(sink: asyncio.Queue[Any], ids: set[str]) -> dict[str, list[int] 
 
 
 def run(
-    streamed: bool, n: int, poison_at: int | None, poison_last: bool, max_failures: int = 3
+    streamed: bool,
+    n: int,
+    poison_at: int | None,
+    poison_last: bool,
+    max_failures: int = 3,
+    relay: bool = False,
+    runner: type[CheckedRunner] = PoisonedRunner,
 ) -> tuple[dict[str, list[int] | str], Any]:
     """``n`` requests through an engine loop, admitted together (as the prompts of one
     HTTP request), the poisoned one ``poison_at`` among them; or (``poison_last``)
     submitted once the others have produced tokens. Each step takes 2 ms, so the others
-    are still running when the poison comes."""
+    are still running when the poison comes. ``relay``: the loop as the engine core
+    process runs it, the requests sent as its API process sends them (``core_params``)."""
     engine = build_engine(CONFIG, spec=False)
-    engine.model_runner = PoisonedRunner(CONFIG, VOCAB, 5_000)
-    work = [(f"r{i}", prompt(i), params(streamed)) for i in range(n)]
-    poison = ("poison", POISON, params(streamed))
+    engine.model_runner = runner(CONFIG, VOCAB, 5_000)
+    sent = core_params if relay else (lambda p: p)
+    work = [(f"r{i}", prompt(i), sent(params(streamed))) for i in range(n)]
+    poison = ("poison", POISON, sent(params(streamed)))
     if poison_at is not None:
         work.insert(poison_at, poison)
 
     async def main() -> dict[str, list[int] | str]:
         loop = EngineLoop(engine, max_step_failures=max_failures)
+        loop._routes.relay = relay
         loop.start(asyncio.get_running_loop())
         try:
             sink = await loop.submit(work, time.time())
@@ -119,21 +144,39 @@ def run(
     return asyncio.run(main()), engine
 
 
-@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+@pytest.mark.parametrize(
+    ("streamed", "relay"),
+    [(True, False), (False, False), (False, True)],
+    ids=["streamed", "whole", "whole-relayed"],
+)
 @pytest.mark.parametrize(
     ("n", "poison_at", "poison_last"),
     [(6, None, True), (7, 0, False), (7, 3, False), (7, 7, False), (1, 1, False)],
     ids=["poison-after-the-others", "poison-first", "poison-amid", "poison-last", "a-pair"],
 )
 def test_a_poisoned_request_fails_alone_and_the_others_complete_exactly(
-    streamed: bool, n: int, poison_at: int | None, poison_last: bool
+    streamed: bool, relay: bool, n: int, poison_at: int | None, poison_last: bool
 ) -> None:
-    got, engine = run(streamed, n, poison_at, poison_last)
+    """``whole-relayed``: the engine core process's loop, whose non-streamed requests'
+    clients have seen nothing, so they are run again (``Restarted``), not failed."""
+    got, engine = run(streamed, n, poison_at, poison_last, relay=relay)
     poisoned = got.pop("poison")
     assert isinstance(poisoned, str) and poisoned.startswith("failed 500"), poisoned
     assert "failed 3 steps in a row" in poisoned and "poisoned request" in poisoned
     assert got == {f"r{i}": alone(prompt(i)) for i in range(n)}
     assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == CONFIG.num_kvcache_blocks
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["whole", "whole-relayed"])
+def test_a_request_that_breaks_steps_late_fails_alone(relay: bool) -> None:
+    """Every request has had tokens when the steps begin to fail: the non-streamed ones
+    are run again, in process and relayed by the core process alike (a relayed one whose
+    client would count as served is failed instead, newest first: an innocent)."""
+    got, engine = run(False, 5, 0, False, relay=relay, runner=LatePoisonedRunner)
+    poisoned = got.pop("poison")
+    assert isinstance(poisoned, str) and poisoned.startswith("failed 500"), poisoned
+    assert got == {f"r{i}": alone(prompt(i)) for i in range(5)}
     assert engine.block_manager.num_free_blocks == CONFIG.num_kvcache_blocks
 
 
@@ -177,7 +220,7 @@ def simulate(n: int, culprit: int | None, threshold: int = 3, tokens: int = 4) -
             if progress[r] == tokens:
                 done.add(r)
         confirmed |= set(engine)
-        q.succeeded(set(engine))
+        q.succeeded()
         for r in done:
             engine.remove(r)
             finished.append(r)
@@ -197,7 +240,7 @@ def test_a_transient_fault_fails_no_one() -> None:
     q = Quarantine(3)
     suspects = [Suspect("a", False, True), Suspect("b", True, True)]
     assert q.failed(suspects).park == () and q.failed(suspects).fail == ()
-    q.succeeded({"a", "b"})
+    q.succeeded()
     assert q.failed(suspects).park == () and q.failed(suspects).fail == ()
     assert q.failures == 2 and not q.parked
 

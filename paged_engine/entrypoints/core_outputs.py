@@ -53,7 +53,12 @@ class _Text:
     """One completion as the API process knows it."""
 
     detok: IncrementalDetokenizer | None
-    """None when no text is made (``detokenize=False``, or no tokenizer)."""
+    """None when no text is made as the tokens come (``detokenize=False``, no tokenizer,
+    or ``at_end``)."""
+    at_end: bool = False
+    """The text is decoded once, when the completion ends: a ``FINAL_ONLY`` request with
+    no stop strings, as the engine does it in process (a tokenizer whose text is not
+    prefix-stable gives the same text)."""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     searched_chars: int = 0
@@ -110,9 +115,13 @@ class TextOutputs:
 
     def _texts(self, params: SamplingParams) -> list[_Text]:
         text = self.tokenizer is not None and params.detokenize
+        at_end = text and params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop
         skip = params.skip_special_tokens
         return [
-            _Text(make_detokenizer(self._backend, skip) if text else None) for _ in range(params.n)
+            _Text(None, True)
+            if at_end
+            else _Text(make_detokenizer(self._backend, skip) if text else None)
+            for _ in range(params.n)
         ]
 
     def forget(self, request_id: str) -> None:
@@ -164,7 +173,7 @@ class TextOutputs:
             kind = r.params.output_kind
             client = r.gather.result() if finished or kind is RequestOutputKind.CUMULATIVE else None
         if finished:
-            del self._requests[w.request_id]
+            self._requests.pop(w.request_id, None)
         return Built(delta, client, ended_here)
 
     def _completion(self, r: _Request, t: _Text, c: WireCompletion) -> CompletionOutput:
@@ -180,6 +189,11 @@ class TextOutputs:
         t.finish_reason, t.stop_reason = c.finish_reason, c.stop_reason
         if t.detok is not None:
             self._extend_text(params, t)
+        elif t.at_end and t.finish_reason is not None:
+            n = tokens_with_text(len(t.token_ids), t.finish_reason, t.stop_reason, params)
+            assert self.tokenizer is not None
+            skip = params.skip_special_tokens
+            t.text = self.tokenizer.decode(t.token_ids[:n], skip_special_tokens=skip)
         text = t.text
         hold = held_back_chars(params)
         if hold and t.finish_reason is None:

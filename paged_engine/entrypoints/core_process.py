@@ -106,7 +106,8 @@ class _ForwardingObserver:
         return None
 
     def ended(self, request_id: str, how: str) -> None:
-        self._introduced.discard(request_id)
+        if how != "finished":  # a finished one's last output is still to be posted
+            self._introduced.discard(request_id)
         self._send(("observe", "ended", (request_id, how)))
 
 

@@ -65,10 +65,11 @@ class CoreStreams:
         """Track one ``submit``'s requests; returns them as the core runs them."""
         ids = [r[0] for r in requests]
         with self._lock:
+            sent = [(r, prompt, self.text.add(r, params)) for r, prompt, params in requests]
             self._streams[key] = _Stream(sink, set(ids))
             for r in ids:
                 self._key_of[r] = key
-        return [(r, prompt, self.text.add(r, params)) for r, prompt, params in requests]
+        return sent
 
     def close(self, key: int) -> None:
         """Forget a ``submit`` the core refused or that was cancelled."""
@@ -85,8 +86,8 @@ class CoreStreams:
         ended_here: list[str] = []
         for key, item in pairs:
             stream = self._streams.get(key)
-            if stream is None:
-                continue
+            if stream is None or self._key_of.get(item.request_id) != key:
+                continue  # its stream ended (here, say, by a stop string): news too late
             if isinstance(item, Restarted):
                 self.text.restart(item.request_id)
                 continue
@@ -109,7 +110,10 @@ class CoreStreams:
         except Exception as exc:  # this request's text alone: it fails, the step goes on
             log.exception("the output of request %s could not be made", rid)
             self.text.forget(rid)
-            self._end_here(rid, "failed", observer, ended_here)
+            if item.finished:  # the core has ended it too, and said so already
+                observer.ended(rid, "failed")
+            else:
+                self._end_here(rid, "failed", observer, ended_here)
             return RequestFailed(rid, f"its output could not be made: {exc!r}", 500)
         if built is None:
             return None

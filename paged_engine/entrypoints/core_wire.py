@@ -60,13 +60,16 @@ class Restarted:
 def core_params(params: SamplingParams) -> SamplingParams:
     """``params`` as the core runs them: tokens only (the API process detokenizes and
     searches stop strings), reported step by step. The core's tokens do not depend on
-    what is left out (the sampler never reads the text)."""
+    what is left out (the sampler never reads the text). ``FINAL_ONLY`` is kept: the
+    core's relaying ``Routes`` run it step by step too, but know its client has seen
+    nothing, so fault isolation may run it again (``Restarted``)."""
+    kind = params.output_kind
     return replace(
         params,
         detokenize=False,
         stop=(),
         include_stop_str_in_output=False,
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=kind if kind is RequestOutputKind.FINAL_ONLY else RequestOutputKind.DELTA,
     )
 
 

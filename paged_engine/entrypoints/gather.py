@@ -50,7 +50,8 @@ class Gathered:
         self.last = None
 
     def result(self) -> RequestOutput:
-        """The merged output; needs at least one ``add``."""
+        """The merged output, in lists of its own (a ``CUMULATIVE`` client may keep each
+        one while more is gathered); needs at least one ``add``."""
         last = self.last
         assert last is not None, "nothing was gathered"
         outputs = []
@@ -62,9 +63,9 @@ class Gathered:
                 CompletionOutput(
                     index=index,
                     text="".join(acc.text),
-                    token_ids=acc.token_ids,
+                    token_ids=list(acc.token_ids),
                     cumulative_logprob=tail.cumulative_logprob,
-                    logprobs=acc.logprobs,
+                    logprobs=None if acc.logprobs is None else list(acc.logprobs),
                     finish_reason=tail.finish_reason,
                     stop_reason=tail.stop_reason,
                 )
@@ -73,7 +74,7 @@ class Gathered:
             request_id=last.request_id,
             prompt=last.prompt,
             prompt_token_ids=last.prompt_token_ids,
-            prompt_logprobs=last.prompt_logprobs,
+            prompt_logprobs=last.prompt_logprobs,  # the last delta's own list
             outputs=outputs,
             finished=last.finished,
             num_cached_tokens=last.num_cached_tokens,

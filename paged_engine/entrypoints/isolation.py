@@ -17,8 +17,9 @@ The policy, decided here without touching the engine (``routes`` carries it out)
   requests go back in groups, bisecting: half of the group known to hold the culprit is
   re-added; if ``threshold`` failures follow, the culprit is in that half (parked again
   and split), else in the other half. A group of one that fails is the culprit: it alone
-  ends with an error. A group is cleared once each member has produced a token in a
-  successful step (or ended);
+  ends with an error. A group is cleared once each member has ended: a request may break
+  the steps only after its first tokens, so a token proves nothing (a group cleared at
+  its first tokens would be parked and re-added for ever);
 * when no suspect is left (every request in flight has streamed output, which cannot be
   taken back), the newest request is failed, one per ``threshold`` failures, until the
   steps succeed.
@@ -67,9 +68,7 @@ class Quarantine:
     """``parked[:guilty]`` is believed to hold a culprit (if ``probe`` is cleared); None:
     no part is suspected more than another."""
     probe: list[str] = field(default_factory=list)
-    """The parked requests re-added last, until they are cleared."""
-    pending: set[str] = field(default_factory=set)
-    """Members of ``probe`` that have not produced a token yet."""
+    """The parked requests re-added last that have not ended yet."""
     settled: bool = True
     """A step has succeeded since the last verdict."""
 
@@ -82,7 +81,6 @@ class Quarantine:
         self.settled = False
         if self.probe:
             probe, self.probe = self.probe, []
-            self.pending.clear()
             if len(probe) == 1:  # the culprit: the others are presumed innocent
                 self.guilty = None
                 return Verdict(fail=tuple(probe))
@@ -99,12 +97,10 @@ class Quarantine:
             return Verdict(fail=(suspects[-1].request_id,))
         return Verdict()
 
-    def succeeded(self, produced: set[str]) -> None:
-        """A step succeeded; ``produced``: the requests it gave a token (or an ending)."""
+    def succeeded(self) -> None:
+        """A step succeeded."""
         self.failures = 0
         self.settled = True
-        self.pending -= produced
-        self._maybe_cleared()
 
     def gone(self, request_id: str) -> None:
         """The request ended (finished, aborted, failed): it is no one's suspect now."""
@@ -115,8 +111,6 @@ class Quarantine:
                 self.guilty = self.guilty - 1 or None
         if request_id in self.probe:
             self.probe.remove(request_id)
-            self.pending.discard(request_id)
-            self._maybe_cleared()
 
     def release(self, idle: bool) -> list[str]:
         """The parked requests to re-add now (the next probe), or []: only once a step
@@ -125,7 +119,6 @@ class Quarantine:
             return []
         k = -(-self.guilty // 2) if self.guilty else len(self.parked)
         self.probe, self.parked = self.parked[:k], self.parked[k:]
-        self.pending = set(self.probe)
         self.guilty = (self.guilty - k or None) if self.guilty else None
         return list(self.probe)
 
@@ -134,10 +127,5 @@ class Quarantine:
         self.failures = 0
         self.parked.clear()
         self.probe.clear()
-        self.pending.clear()
         self.guilty = None
         self.settled = True
-
-    def _maybe_cleared(self) -> None:
-        if self.probe and not self.pending:
-            self.probe = []

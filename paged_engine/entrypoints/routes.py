@@ -112,13 +112,11 @@ class Routes:
     def dispatch(self, outputs: list[RequestOutput]) -> None:
         """A successful step's outputs, to their requests' queues (in one batch)."""
         batch: Batch = []
-        produced: set[str] = set()
         for out in outputs:
             rid = out.request_id
             route = self._routes.get(rid)
             if route is None:
                 continue
-            produced.add(rid)
             route.confirmed = True
             self.observer.output(out)
             if out.finished:
@@ -131,7 +129,7 @@ class Routes:
                 route.gather.add(out)
                 if out.finished:
                     batch.append((route.sink, route.gather.result()))
-        self.quarantine.succeeded(produced)
+        self.quarantine.succeeded()
         self._post(batch)
 
     def step_failed(self, exc: Exception) -> None:
