@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
+from paged_engine.cpu_bind import default_cpu_bind, parse_cpu_bind
+
 # The machine's probes live in platform.py (torch-free at import, like this module); the
 # names stay importable from here.
 from paged_engine.platform import available_memory_bytes as available_memory_bytes
@@ -104,6 +106,17 @@ class EngineConfig:
     (``GOMP_SPINCOUNT``) fare no better than passive waiting under load. Hence one thread
     on two cores. ``bench/test_threads_bench.py`` measures the choices, idle and under
     load (figures in the README)."""
+    cpu_bind: str = field(default_factory=default_cpu_bind)
+    """Which CPUs the process that runs the model (each tensor-parallel rank) may use:
+    "auto" (each rank its own physical cores, the last ones, so that the first stay free
+    for other work, e.g. the API process), "off", or CPU lists, one per rank, split by
+    "|" ("0-3|4-7"); a bound rank takes one torch thread per CPU (``cpu_bind.py`` has
+    the rules). With ``num_threads=None`` nothing is bound either. The default:
+    ``$PAGED_ENGINE_CPU_BIND``, else vLLM's ``$VLLM_CPU_OMP_THREADS_BIND``, else
+    ``cpu_bind.DEFAULT``: "off", as binding lost or tied on a 2-vCPU machine but for two
+    tensor-parallel ranks under a competing process per CPU (the README, "CPU binding").
+    Only the syntax is checked here; the lists against the ranks and the machine's CPUs
+    when an engine is built (``EngineArgs.create_engine_config``)."""
     max_n: int = 128
     """The most completions one request may ask for (``SamplingParams.n``): every completion
     is a sequence built at admission, on the engine's thread, so an unbounded ``n`` would
@@ -157,6 +170,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        parse_cpu_bind(self.cpu_bind)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)

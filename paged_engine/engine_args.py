@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_engine.config import EngineConfig, default_num_threads
+from paged_engine.cpu_bind import check_cpu_bind, default_cpu_bind
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,9 @@ class EngineArgs:
     pool in blocks), ``kv_cache_memory_bytes`` (the pool in bytes, CPU),
     ``gpu_memory_utilization``, ``max_logprobs``, ``dtype``, ``seed`` (None: 0, as vLLM
     V1), ``tensor_parallel_size``, ``enforce_eager``; this engine's own
-    ``attention_backend``, ``device``, ``num_threads``, ``max_n``, ``prefix_cache_hash``,
-    ``mixed_steps``.
+    ``attention_backend``, ``device``, ``num_threads``, ``cpu_bind`` (vLLM has only its
+    ``VLLM_CPU_OMP_THREADS_BIND`` variable, whose syntax it takes), ``max_n``,
+    ``prefix_cache_hash``, ``mixed_steps``.
 
     vLLM's other arguments (``VLLM_ONLY`` says which values are refused, and why):
     ``pipeline_parallel_size`` (1), ``enable_chunked_prefill`` (None or True: prompts
@@ -126,6 +128,7 @@ class EngineArgs:
     attention_backend: str = _default("attention_backend")
     device: str = _default("device")
     num_threads: int | None = field(default_factory=default_num_threads)
+    cpu_bind: str = field(default_factory=default_cpu_bind)
     max_n: int = _default("max_n")
     prefix_cache_hash: str = _default("prefix_cache_hash")
     pipeline_parallel_size: int = 1
@@ -183,7 +186,9 @@ class EngineArgs:
             if value is None and arg in ("max_model_len", "seed"):
                 continue  # the config's default (max_model_len is capped later)
             values[f.name] = value
-        return EngineConfig(**values)
+        config = EngineConfig(**values)
+        check_cpu_bind(config.cpu_bind, config.tensor_parallel_size)
+        return config
 
     def check_load_format(self) -> None:
         """``load_format`` "gguf" names a .gguf file (or a directory holding one and no

@@ -7,8 +7,9 @@ without AVX-512). Every decision that depends on the machine reads this module: 
 the linears pack (``layers/linear.py``), the compiled copy of the CPU kernels that runs and
 the bfloat16 decode variant (``kernels/paged_decode_cpu.py``, ``fused_ops_cpu.py``), what
 ``dtype="auto"`` picks, the threads a process or tensor-parallel rank takes
-(``default_num_threads``, ``threads_per_rank``) and how large the automatic KV pool may
-grow (``available_memory_bytes``).
+(``default_num_threads``, ``threads_per_rank``), the CPUs ``cpu_bind.py`` may bind them to
+(``allowed_cpus``, ``physical_cores``) and how large the automatic KV pool may grow
+(``available_memory_bytes``).
 
 The instruction-set probes (``cpu_info``, ``torch_cpu``) are ``platform_cpu``'s and the
 cgroup files ``platform_cgroup``'s; this module names them all and holds what is built on
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -45,13 +47,16 @@ __all__ = [
     "ISA_LEVELS",
     "CpuInfo",
     "TorchCpu",
+    "allowed_cpus",
     "available_memory_bytes",
     "cpu_info",
     "default_num_threads",
     "openmp_runtime_loaded",
     "openmp_waits_passively",
+    "physical_cores",
     "prepare_openmp",
     "read_cpu_info",
+    "record_binding",
     "summary",
     "threads_per_rank",
     "torch_cpu",
@@ -77,22 +82,51 @@ def _cgroup_cpu_limit() -> int | None:
     return min(cpus) if cpus else None
 
 
-def usable_physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (``sched_getaffinity``):
-    SMT siblings (one ``core_cpus_list`` in /sys) count once; a CPU whose topology cannot
-    be read counts as a core of its own. Capped by a cgroup CPU quota. Without affinity
-    information (not Linux): ``os.cpu_count()``, which counts logical CPUs."""
+_binding: tuple[frozenset[int], frozenset[int]] | None = None
+"""(the CPUs this process had, the CPUs it was bound to) when ``cpu_bind`` bound it."""
+
+
+def record_binding(before: frozenset[int], after: frozenset[int]) -> None:
+    """``cpu_bind.bind_process`` narrowed this process from ``before`` to ``after``; the
+    first binding's ``before`` is kept (a process bound twice had it at the start)."""
+    global _binding
+    _binding = (before if _binding is None else _binding[0], after)
+
+
+def allowed_cpus() -> frozenset[int]:
+    """The CPUs this process may run on: its affinity (``sched_getaffinity``), except
+    while that is still what paged_engine bound it to: then the CPUs it had before. Why:
+    a second ``LLM`` in a process the first one bound must plan its threads and CPUs
+    from the same machine, not from the first one's share. Without affinity (not
+    Linux): every CPU ``os.cpu_count()`` counts."""
     try:
-        cpus = sorted(os.sched_getaffinity(0))
+        current = frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-    cores = set()
-    for cpu in cpus:
+        return frozenset(range(max(1, os.cpu_count() or 1)))
+    if _binding is not None and current == _binding[1]:
+        return _binding[0]
+    return current
+
+
+def physical_cores(cpus: Iterable[int]) -> list[tuple[int, ...]]:
+    """``cpus`` grouped by physical core (SMT siblings share one ``core_cpus_list`` in
+    /sys; a CPU whose topology cannot be read is a core of its own), each core's CPUs
+    ascending, the cores in the order of their first CPU."""
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(set(cpus)):
         siblings = _sys_cpu_file(cpu, "core_cpus_list") or _sys_cpu_file(
             cpu, "thread_siblings_list"
         )
-        cores.add(siblings if siblings else f"cpu{cpu}")
-    n = max(1, len(cores))
+        cores.setdefault(siblings or f"cpu{cpu}", []).append(cpu)
+    return sorted((tuple(c) for c in cores.values()), key=lambda c: c[0])
+
+
+def usable_physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (``allowed_cpus``): SMT
+    siblings count once; a CPU whose topology cannot be read counts as a core of its
+    own. Capped by a cgroup CPU quota. Without affinity information (not Linux):
+    ``os.cpu_count()``, which counts logical CPUs."""
+    n = max(1, len(physical_cores(allowed_cpus())))
     quota = _cgroup_cpu_limit()
     return n if quota is None else min(n, quota)
 

@@ -202,6 +202,7 @@ ENGINE_DEFAULTS = {
     "--max-num-batched-tokens": "per device: 1024 on CPU, 8192 on CUDA",
     "--attention-backend": "auto",
     "--device": "auto",
+    "--cpu-bind": "$PAGED_ENGINE_CPU_BIND",
     "--dtype": "auto",
     "--enable-prefix-caching": "True",
     "--no-enable-prefix-caching": "True",

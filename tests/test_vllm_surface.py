@@ -135,7 +135,7 @@ def test_every_config_field_is_reachable_under_vllms_name() -> None:
         num_kvcache_blocks=9, enable_prefix_caching=False, prefix_cache_hash="sha256",
         attention_backend="torch", dtype="float32", device="cpu", kv_cache_memory=1 << 20,
         gpu_memory_utilization=0.5, enforce_eager=True, seed=7, num_threads=None, max_n=4,
-        max_logprobs=5, tensor_parallel_size=2, mixed_steps=True,
+        max_logprobs=5, tensor_parallel_size=2, mixed_steps=True, cpu_bind="auto",
     )  # fmt: skip
     assert set(changed) == {f.name for f in fields(EngineConfig)}
     assert all(changed[k] != getattr(EngineConfig(), k) for k in changed)

@@ -17,6 +17,7 @@ from paged_engine.config import (
     PREFIX_CACHE_HASHES,
     default_num_threads,
 )
+from paged_engine.cpu_bind import DEFAULT as CPU_BIND
 from paged_engine.errors import InvalidRequestError
 
 ENGINE_FLAGS: dict[str, str] = {
@@ -35,6 +36,7 @@ ENGINE_FLAGS: dict[str, str] = {
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "seed": "--seed",
     "num_threads": "--threads",
+    "cpu_bind": "--cpu-bind",
     "tensor_parallel_size": "--tensor-parallel-size",
     "enforce_eager": "--enforce-eager",
 }
@@ -71,6 +73,7 @@ NONE_MEANS: dict[str, str] = {
     "max_model_len": "4096, capped at the model's max_position_embeddings",
     "threads": f"auto, {default_num_threads()} here: the physical cores this process may "
     "use but one when OpenMP waits passively, else 1",
+    "cpu_bind": f"$PAGED_ENGINE_CPU_BIND, else $VLLM_CPU_OMP_THREADS_BIND, else {CPU_BIND}",
     "top_k": "None: every token",
     "api_key": "$PAGED_ENGINE_API_KEY if set, else none: every route is open",
     "served_model_name": "the model argument as given",
@@ -171,6 +174,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     add("--threads", type=int, metavar="N", help="torch CPU threads (process-wide)")
     add(
+        "--cpu-bind",
+        metavar="CPUS",
+        help="the CPUs the engine's threads run on: auto (each rank its own cores, the "
+        "last ones), off, or one list per rank split by '|', e.g. 0-3|4-7",
+    )
+    add(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -187,12 +196,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_fields(a: argparse.Namespace) -> dict[str, Any]:
     """``EngineConfig`` keyword arguments from the flags; ``max_model_len`` and
-    ``num_threads`` only when given, so that ``LLM`` applies its defaults."""
+    ``num_threads`` and ``cpu_bind`` only when given, so that ``LLM`` applies its
+    defaults."""
     values = {f: getattr(a, flag[2:].replace("-", "_")) for f, flag in ENGINE_FLAGS.items()}
     return {
         f: v
         for f, v in values.items()
-        if v is not None or f not in ("max_model_len", "num_threads")
+        if v is not None or f not in ("max_model_len", "num_threads", "cpu_bind")
     }
 
 

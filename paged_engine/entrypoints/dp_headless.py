@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
+from paged_engine.cpu_bind import replica_spec
 from paged_engine.entrypoints.core_process import CoreSpec, core_main
 from paged_engine.entrypoints.settings import DP_AUTHKEY_ENV, dp_authkey
 
@@ -243,7 +244,7 @@ def run_headless(spec: CoreSpec, count: int, address: tuple[str, int], timeout: 
     cores = [
         ctx.Process(
             target=headless_core,
-            args=(spec, address, authkey, timeout),
+            args=(replica_spec(spec, i), address, authkey, timeout),
             name=f"engine-core-{i}",
             daemon=False,
         )

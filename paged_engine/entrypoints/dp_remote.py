@@ -37,6 +37,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from paged_engine.cpu_bind import replica_specs
 from paged_engine.entrypoints.core_client import KILL_WAIT_S, CoreClient
 from paged_engine.entrypoints.core_process import CoreSpec
 from paged_engine.entrypoints.dp_client import LocalCoreClient, stop_all
@@ -253,7 +254,7 @@ def launch_replicas(
     every replica is ended, then the first error raised."""
     devices = local_devices(spec, local)
     listener = CoreListener(address, dp_authkey()) if remote else None
-    here = [LocalCoreClient(spec, d, restarts=restarts) for d in devices]
+    here = [LocalCoreClient(s, d, restarts=restarts) for s, d in replica_specs(spec, devices)]
     jobs: list[Callable[[], Any]] = [core.launch for core in here]
     if listener is not None:
         jobs.append(lambda: listener.replicas(remote, connect_timeout))

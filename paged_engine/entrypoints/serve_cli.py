@@ -224,10 +224,12 @@ def cmd_serve(a: argparse.Namespace, fields: dict[str, Any], params: object) -> 
 
 def _serve_thread(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     from paged_engine import LLM
+    from paged_engine.cpu_bind import thread_core_cpu_bind
     from paged_engine.entrypoints.server_runtime import run_server
     from paged_engine.llm import MULTIPROCESSING_ENV
 
     os.environ[MULTIPROCESSING_ENV] = "0"  # --engine-core thread: the engine is in here
+    fields = {**fields, "cpu_bind": thread_core_cpu_bind(fields.get("cpu_bind"))}
     llm = LLM(a.model, **fields)
     try:
         return run_server(llm, a.settings, model_root=str(a.model))
@@ -238,6 +240,7 @@ def _serve_thread(a: argparse.Namespace, fields: dict[str, Any]) -> int:
 def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     """The engine in core processes, here and on other hosts (``dp_remote``), or only
     the cores (``--headless``); the API process loads the tokenizer, not the weights."""
+    from paged_engine.cpu_bind import default_cpu_bind, serve_cpu_bind
     from paged_engine.entrypoints.core_process import CoreSpec
     from paged_engine.entrypoints.dp_client import DPClient, stop_all
     from paged_engine.entrypoints.dp_headless import run_headless
@@ -248,10 +251,15 @@ def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     from paged_engine.utils.model_config import ModelConfig
     from paged_engine.utils.tokenizer import load_tokenizer
 
-    model_dir = model_dir_of(a.model)  # a .gguf file is converted here, once
     if a.dp_local > 1:  # the replicas share this machine's cores, as TP ranks do
         threads = fields.get("num_threads") or default_num_threads()
         fields = {**fields, "num_threads": threads_per_rank(threads, a.dp_local)}
+    if a.dp_local >= 1:  # each local core's ranks get their CPUs here (replica_spec)
+        tp = fields.get("tensor_parallel_size") or 1
+        threads = threads_per_rank(fields.get("num_threads") or default_num_threads(), tp)
+        bind = serve_cpu_bind(fields.get("cpu_bind", default_cpu_bind()), a.dp_local, tp, threads)
+        fields = {**fields, "cpu_bind": bind}
+    model_dir = model_dir_of(a.model)  # a .gguf file is converted here, once
     spec = CoreSpec(str(model_dir), fields, a.settings.max_step_failures)
     address = (a.data_parallel_address, a.data_parallel_rpc_port)
     timeout = a.data_parallel_connect_timeout

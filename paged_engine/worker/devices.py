@@ -11,6 +11,13 @@ import logging
 
 import torch
 
+from paged_engine.cpu_bind import (
+    bind_process,
+    default_cpu_bind,
+    format_cpu_lists,
+    parse_cpu_bind,
+    rank_plan,
+)
 from paged_engine.layers.parallel import TPGroup
 from paged_engine.platform import openmp_waits_passively, threads_per_rank
 
@@ -74,17 +81,44 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: object) -> 
     return torch.bfloat16
 
 
-def set_cpu_threads(num_threads: int, device: torch.device, tp: TPGroup) -> None:
+def set_cpu_threads(
+    num_threads: int, device: torch.device, tp: TPGroup, cpu_bind: str | None = None
+) -> None:
     """torch's intra-op threads for this process (process-wide): ``num_threads``, except
     that the ranks of a tensor-parallel group on the CPU share this machine's cores, so
-    each takes at most its share (``platform.threads_per_rank``)."""
+    each takes at most its share (``platform.threads_per_rank``).
+
+    On the CPU, ``cpu_bind`` (None: ``cpu_bind.default_cpu_bind()``, the environment's)
+    binds every thread of the process to this rank's CPUs (``cpu_bind.bind_process``),
+    and the rank then takes one thread per CPU. Under "auto" rank 0 plans for the whole
+    group and sends the plan to the others: a worker spawned by a process that an
+    earlier engine bound sees fewer CPUs than rank 0 does, and would plan otherwise."""
     ranks = tp.size if device.type == "cpu" else 1
     threads = threads_per_rank(num_threads, ranks)
+    setting = default_cpu_bind() if cpu_bind is None else cpu_bind
+    cpus: tuple[int, ...] | None = None
+    if device.type == "cpu":
+        auto = parse_cpu_bind(setting).mode == "auto"
+        plan = rank_plan(setting, ranks, threads) if tp.rank == 0 or not auto else None
+        if auto and ranks > 1:
+            box: list[object] = [plan]
+            torch.distributed.broadcast_object_list(box, src=0)
+            plan = box[0]  # type: ignore[assignment]
+        cpus = None if plan is None else plan[tp.rank]
+    if cpus:
+        try:
+            bind_process(cpus)
+        except OSError as err:
+            raise ValueError(
+                f"cpu_bind={setting!r}: binding to CPUs {cpus} failed: {err}"
+            ) from None
+        threads = len(cpus)
     torch.set_num_threads(threads)
     shared = f", rank {tp.rank} of {ranks} sharing this CPU ({num_threads} asked)"
     logger.info(
-        "torch CPU threads: %d%s; OpenMP waits %s",
+        "torch CPU threads: %d%s%s; OpenMP waits %s",
         threads,
         shared if ranks > 1 else "",
+        f", bound to CPUs {format_cpu_lists([cpus])} (cpu_bind {setting!r})" if cpus else "",
         "passively" if openmp_waits_passively() else "actively: spins",
     )

@@ -135,7 +135,7 @@ class ModelRunner:
         if not measured_pool:
             self.num_kvcache_blocks = self._agreed_pool_size()
         if config.num_threads is not None:  # process-wide: only once nothing is refused
-            set_cpu_threads(config.num_threads, self.device, tp)
+            set_cpu_threads(config.num_threads, self.device, tp, config.cpu_bind)
         self.model, _ = load_model(
             self.model_config.model_dir,
             device=self.device,
