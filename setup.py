@@ -6,10 +6,21 @@ Everything else is in pyproject.toml. The extension is optional: where no C comp
 available the package installs without it, the "auto" attention backend uses the torch
 backend on CPU (paged_engine.kernels.paged_decode_cpu.cpu_kernels_problem says why) and
 the layers their torch ops.
+
+The build is cached: a library built once is copied, not compiled again, by the next
+install from the same sources with the same compiler and flags (``pip install -e
+'.[server]'`` after ``pip install -e .``, a second checkout, a fresh tox env). The cache
+lies in ``$PAGED_ENGINE_CACHE_DIR/build`` (default ``~/.cache/paged_engine/build``);
+``build_ext --force`` skips it.
 """
 
+import hashlib
+import os
+import shutil
 import sys
+import sysconfig
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,6 +52,29 @@ class BuildExt(build_ext):
                 ext.libraries = [lib for lib in ext.libraries if lib != MVEC]
         super().build_extensions()
 
+    def build_extension(self, ext: Extension) -> None:
+        """Copy ``ext``'s library from the cache when one was built from the same inputs
+        (``build_key``), else compile it (saying so: it takes a minute) and keep a copy."""
+        target = Path(self.get_ext_fullpath(ext.name))
+        cached = cache_dir() / build_key(ext, self.compiler) / target.name
+        if cached.is_file() and not self.force:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(cached, target)
+            print(f"paged_engine: {ext.name} copied from the build cache ({cached})", flush=True)
+            return
+        print(f"paged_engine: compiling {ext.name} (about a minute of one core)", flush=True)
+        start = time.monotonic()
+        super().build_extension(ext)
+        print(f"paged_engine: compiled in {time.monotonic() - start:.0f} s", flush=True)
+        if target.is_file():
+            try:  # a cache that cannot be written costs the next install its time only
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+                shutil.copyfile(target, partial)
+                os.replace(partial, cached)
+            except OSError:
+                pass
+
     def _links(self, source: str, flags: Sequence[str] = (), libraries: Sequence[str] = ()) -> bool:
         """Whether a program of ``source`` compiles and links with ``flags`` and
         ``libraries`` here."""
@@ -61,6 +95,36 @@ class BuildExt(build_ext):
             except Exception:  # CompileError, LinkError, or no usable compiler at all
                 return False
         return True
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGED_ENGINE_CACHE_DIR") or Path.home() / ".cache" / "paged_engine"
+    return Path(root) / "build"
+
+
+def build_key(ext: Extension, compiler: object) -> str:
+    """A digest of everything the library depends on: its sources and headers, its flags
+    (after ``build_extensions`` dropped what does not link here), the compiler's command
+    lines and executables (path, size, modification time), and this Python's ABI."""
+    h = hashlib.sha256()
+
+    def put(*parts: object) -> None:
+        for part in parts:
+            h.update(repr(part).encode() + b"\0")
+
+    for path in [*ext.sources, *ext.depends]:
+        put(path, Path(path).read_bytes())
+    put(ext.name, ext.extra_compile_args, ext.extra_link_args, ext.libraries)
+    put(ext.include_dirs, ext.define_macros, ext.undef_macros)
+    put(sys.version, sys.platform, sysconfig.get_config_var("EXT_SUFFIX"))
+    for attr in ("compiler_so", "linker_so"):
+        command = list(getattr(compiler, attr, None) or ())
+        put(attr, command)
+        exe = shutil.which(command[0]) if command else None
+        if exe is not None:
+            st = os.stat(exe)
+            put(os.path.realpath(exe), st.st_size, st.st_mtime_ns)
+    return h.hexdigest()[:32]
 
 
 setup(
