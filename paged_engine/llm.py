@@ -27,6 +27,7 @@ from paged_engine.llm_engine import LLMEngine, model_dir_of, refuse_lora
 from paged_engine.mp_engine import MultiprocessLLMEngine
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingRequestOutput, embed, encode
 from paged_engine.sampling_params import SamplingParams
+from paged_engine.score import ScoringRequestOutput, score
 from paged_engine.utils.generation_defaults import default_sampling_values
 from paged_engine.worker.model_runner import ModelRunner
 
@@ -245,6 +246,14 @@ class LLM:
         """vLLM's ``encode``: ``embed``'s vectors as tensors."""
         self._check_open()
         return encode(self._pooling_engine(), prompts, pooling_params)
+
+    def score(
+        self, data_1: object, data_2: object, /, *, pooling_params: object = None
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``score`` for an embedding model: the cosine similarity of each pair's
+        embeddings (``score.py``: one prompt or a list on each side, 1:1, 1:N or N:N)."""
+        self._check_open()
+        return score(self._pooling_engine(), data_1, data_2, pooling_params)
 
     def _pooling_engine(self) -> LLMEngine:
         if self.model_runner is None:

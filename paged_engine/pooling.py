@@ -14,6 +14,12 @@ Pooling types: ``LAST`` (the last prompt token's state, vLLM's default for decod
 models) and ``MEAN`` (over the prompt's positions); ``normalize`` (the default) scales the
 vector to unit length. vLLM sets the type per model (its pooler config); here it is a
 field of ``PoolingParams``.
+
+The prefill runs in chunks of at most ``max_num_batched_tokens`` tokens, each a forward
+that starts where the last one stopped (its K/V already in the blocks), as chunked
+prefill runs: one forward is never larger than the steps the engine sized its memory for.
+The server pools between two steps of the engine loop (``pool_now``, on its thread), with
+requests running: a prompt whose blocks are not free at that moment is ``PoolBusy``.
 """
 
 from __future__ import annotations
@@ -85,6 +91,11 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+class PoolBusy(RuntimeError):
+    """``pool_now`` refused: the prompt's blocks are not free now (running requests hold
+    them); nothing changed, and a later try may fit."""
+
+
 def encode(engine: LLMEngine, prompts: object, params: object) -> list[PoolingRequestOutput]:
     """Pool each prompt (one or a list; ``params`` one ``PoolingParams``, None, or one per
     prompt). Every prompt is checked before any runs."""
@@ -102,39 +113,59 @@ def encode(engine: LLMEngine, prompts: object, params: object) -> list[PoolingRe
         p = PoolingParams() if p is None else p
         if not isinstance(p, PoolingParams):
             raise TypeError(f"{where}: pooling params must be PoolingParams, got {p!r}")
-        ids = list(parse_prompt(prompt, engine.tokenizer, engine.vocab_size, where).token_ids)
-        if len(ids) > engine.config.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(ids)} prompt tokens, over max_model_len={engine.config.max_model_len}",
-                where,
-            )
-        if -(-len(ids) // engine.config.kvcache_block_size) > engine.num_blocks:
-            raise InvalidRequestError("prompt", "the prompt does not fit the KV pool", where)
-        work.append((ids, p))
+        work.append((checked_ids(engine, prompt, where), p))
     return [
         PoolingRequestOutput(f"embed-{i}", PoolingOutput(_pooled(engine, ids, p)), ids)
         for i, (ids, p) in enumerate(work)
     ]
 
 
+def checked_ids(engine: LLMEngine, prompt: object, where: str) -> list[int]:
+    """The prompt's token ids, refused (``InvalidRequestError`` naming ``where``) when
+    empty, outside the vocabulary, over ``max_model_len`` or larger than the KV pool."""
+    ids = list(parse_prompt(prompt, engine.tokenizer, engine.vocab_size, where).token_ids)
+    if len(ids) > engine.config.max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"{len(ids)} prompt tokens, over max_model_len={engine.config.max_model_len}",
+            where,
+        )
+    if _blocks(engine, ids) > engine.num_blocks:
+        raise InvalidRequestError("prompt", "the prompt does not fit the KV pool", where)
+    return ids
+
+
+def pool_now(engine: LLMEngine, ids: list[int], params: PoolingParams) -> torch.Tensor:
+    """``ids`` (from ``checked_ids``) pooled now, between two steps of an engine that may
+    have requests running (the server's engine thread); ``PoolBusy`` when their blocks
+    are not free at this moment."""
+    needed = _blocks(engine, ids)
+    free = engine.block_manager.num_free_blocks
+    if needed > free:
+        raise PoolBusy(f"the prompt needs {needed} KV blocks and {free} are free now")
+    return _pooled(engine, ids, params)
+
+
+def _blocks(engine: LLMEngine, ids: list[int]) -> int:
+    return -(-len(ids) // engine.config.kvcache_block_size)
+
+
 def _pooled(engine: LLMEngine, ids: list[int], params: PoolingParams) -> torch.Tensor:
     import torch
 
-    from paged_engine.worker.pooling_forward import hidden_states
+    from paged_engine.worker.pooling_forward import chunked_hidden_states
 
     bs = engine.config.kvcache_block_size
+    budget = engine.config.max_num_batched_tokens or len(ids)
     salt = f"\x00embed\x00{next(_salts)}"  # fresh blocks: nothing hits, nothing registers
     seq = Sequence.from_checked_tokens(ids, SamplingParams(), block_size=bs, cache_salt=salt)
     allocator = engine.block_manager
     allocator.allocate(seq, 0)
     try:
-        seq.num_scheduled_tokens = len(ids)
-        hidden = hidden_states(engine.model_runner, [seq])
+        last, total = chunked_hidden_states(engine.model_runner, seq, budget)
     finally:
         allocator.deallocate(seq)
-    rows = hidden[: len(ids)].float()
-    vector = rows[-1] if params.pooling_type == "LAST" else rows.mean(dim=0)
+    vector = last if params.pooling_type == "LAST" else total / len(ids)
     if params.normalize:
         vector = torch.nn.functional.normalize(vector, dim=0)
     return vector.cpu()

@@ -3,7 +3,7 @@
 Why a thread of its own: ``LLMEngine`` is not thread-safe (nothing in it locks), and a
 step is CPU or GPU work that must not block the HTTP event loop. So exactly one thread
 touches the engine, and everything else talks to it through a ``queue.Queue`` of commands
-(add, abort, drain, stop). Outputs go the other way: after each step the thread groups the
+(add, abort, drain, stop, call). Outputs go the other way: after each step the thread groups the
 ``RequestOutput``s by the asyncio queue of the request they belong to and hands the batch
 to the event loop with one ``loop.call_soon_threadsafe`` (one wake-up per step, however
 many streams). Every engine access goes through ``_owned()``, which raises if the calling
@@ -43,10 +43,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.entrypoints.loop_types import (
+    EngineCall,
     EngineSnapshot,
     EngineUnavailable,
     Event,
@@ -91,7 +94,7 @@ class EngineLoop:
     ) -> None:
         self._engine = engine
         self.observer: Observer = observer or NoObserver()
-        self._commands: queue.Queue[_Add | _Abort | _Drain | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | EngineCall | _Drain | _Stop] = queue.Queue()
         self._routes = Routes(self._owned, self.observer, self._post, max_step_failures)
         """Engine thread only: the requests in flight."""
         self._deadline: float | None = None
@@ -146,6 +149,12 @@ class EngineLoop:
         await asyncio.wrap_future(done)
         return sink
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps; its result, or raise."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._put(EngineCall(fn, done))
+        return await asyncio.wrap_future(done)
+
     def abort(self, request_ids: list[str] | tuple[str, ...]) -> None:
         """Abort these requests (any already finished are skipped); returns at once."""
         if request_ids:
@@ -166,7 +175,7 @@ class EngineLoop:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _put(self, command: _Add | _Abort | _Drain | _Stop) -> None:
+    def _put(self, command: _Add | _Abort | EngineCall | _Drain | _Stop) -> None:
         with self._close_lock:
             if self._closed:
                 raise EngineUnavailable(self.fatal or "the engine loop has stopped")
@@ -230,6 +239,8 @@ class EngineLoop:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._routes.abort(command.request_ids)
+            elif isinstance(command, EngineCall):
+                self._call(command)
             elif self._deadline is None:
                 self._deadline = command.deadline
             try:
@@ -238,15 +249,18 @@ class EngineLoop:
                 return True
 
     def _add(self, command: _Add) -> None:
-        if self._deadline is not None:
-            command.done.set_exception(EngineUnavailable("the server is shutting down"))
-            return
+        routes, c = self._routes, command
+        self._call(EngineCall(lambda _: routes.add(c.requests, c.arrival_time, c.sink), c.done))
+
+    def _call(self, command: EngineCall) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            return  # its caller has gone (the await was cancelled): nothing runs
         try:
-            self._routes.add(command.requests, command.arrival_time, command.sink)
+            if self._deadline is not None:
+                raise EngineUnavailable("the server is shutting down")
+            command.done.set_result(command.fn(self._owned()))
         except Exception as exc:
             command.done.set_exception(exc)
-        else:
-            command.done.set_result(None)
 
     def _post(self, batch: Batch) -> None:
         if batch and self._aloop is not None:
@@ -260,7 +274,7 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add) and not command.done.done():
+            if isinstance(command, _Add | EngineCall) and not command.done.done():
                 command.done.set_exception(EngineUnavailable("the engine loop has stopped"))
 
     def _publish(self) -> None:

@@ -1,13 +1,19 @@
 """What the engine loop and its users exchange: the events a request's queue receives, the
-error ``submit`` raises when it takes nothing, the snapshot ``/metrics`` reads, and the
-observer the loop reports to. No dependency beyond the engine's outputs."""
+error ``submit`` raises when it takes nothing, a function to run on the engine's thread
+(``EngineCall``), the snapshot ``/metrics`` reads, and the observer the loop reports to.
+No dependency beyond the engine's outputs (and its type, for ``EngineCall``)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from paged_engine.engine.request import RequestOutput
+
+if TYPE_CHECKING:
+    from paged_engine.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +27,15 @@ class RequestFailed:
 
 
 Event = RequestOutput | RequestFailed
+
+
+@dataclass(slots=True)
+class EngineCall:
+    """A function of the engine that the loop runs on its thread between two steps, its
+    result or exception set on ``done`` (``EngineLoop.call``)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future[Any]
 
 
 class EngineUnavailable(RuntimeError):

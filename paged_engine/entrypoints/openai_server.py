@@ -3,7 +3,8 @@ uvicorn (the ``server`` extra).
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions``, vLLM's ``POST /tokenize`` and ``/detokenize`` (the tokenizer
-alone, never the engine: ``tokenize_routes``), ``GET /health`` (200 while the engine loop
+alone, never the engine: ``tokenize_routes``), ``POST /v1/embeddings``
+(``embedding_routes``), ``GET /health`` (200 while the engine loop
 lives, else 503), ``GET /metrics`` (Prometheus). Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``. With an API key every route but
 ``/health`` needs ``Authorization: Bearer``.
@@ -45,6 +46,7 @@ from pydantic import ValidationError
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.entrypoints.core_client import CoreClient
 from paged_engine.entrypoints.dp_client import DPClient
+from paged_engine.entrypoints.embedding_routes import EmbeddingRoutes
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.entrypoints.http_errors import ApiKeyMiddleware, add_error_handlers, refused_field
 from paged_engine.entrypoints.limits import admit, prompt_char_limit, read_body
@@ -189,6 +191,10 @@ class OpenAIServer:
         TokenizeRoutes(
             self.tokenizer, s.served_model_name, self.max_model_len, self.max_prompt_chars,
             s.max_request_body_bytes, s.chat_template, self.has_chat_template, self.tokenize,
+        ).register(app)  # fmt: skip
+        EmbeddingRoutes(
+            self.loop, self.tokenizer, s.served_model_name, self.max_prompt_chars,
+            s.max_request_body_bytes, self.tokenize,
         ).register(app)  # fmt: skip
         return app
 
