@@ -2,7 +2,8 @@
 
 vLLM's offline names are importable from here: ``LLM``, ``LLMEngine``, ``EngineArgs``,
 ``SamplingParams``, ``RequestOutputKind``, ``RequestOutput``, ``CompletionOutput``,
-``TextPrompt``, ``TokensPrompt``, ``BeamSearchParams``, ``PoolingParams``.
+``TextPrompt``, ``TokensPrompt``, ``BeamSearchParams``, ``PoolingParams``,
+``StructuredOutputsParams`` (and its older name ``GuidedDecodingParams``).
 
 Importing this package (or ``paged_engine.engine``) never imports torch: the allocator and
 scheduler are usable on their own. ``LLM`` and ``LLMEngine`` (which load models, so need
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from paged_engine.llm import LLM
     from paged_engine.llm_engine import LLMEngine
     from paged_engine.pooling import PoolingParams
+    from paged_engine.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -37,11 +39,13 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "EngineConfig",
+    "GuidedDecodingParams",
     "LLMEngine",
     "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
 ]
@@ -56,6 +60,8 @@ _LAZY = {
     "RequestOutput": "paged_engine.engine.request",
     "TextPrompt": "paged_engine.engine.inputs",
     "TokensPrompt": "paged_engine.engine.inputs",
+    "StructuredOutputsParams": "paged_engine.structured_outputs",
+    "GuidedDecodingParams": "paged_engine.structured_outputs",
 }
 """Names imported on first access: ``LLM``'s and ``LLMEngine``'s modules import torch, and
 the engine's records bring the engine's modules (tens of milliseconds) with them."""

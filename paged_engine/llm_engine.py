@@ -165,6 +165,7 @@ class LLMEngine(CoreEngine):
             from paged_engine.worker.tp_worker import start_tensor_parallel
 
             runner = start_tensor_parallel(model_config, config, eos_token_ids=eos or ())
+        runner.grammars.tokenizer = tokenizer  # structured outputs: the engine's tokenizer
         workers = runner.workers
         try:
             engine = cls(

@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from paged_engine import sampling_checks as check
+from paged_engine import structured_outputs as structured
 from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
 
 GREEDY_BELOW = 1e-5
@@ -78,6 +79,10 @@ class SamplingParams:
     distribution), ``detokenize``, ``skip_special_tokens``. ``logit_bias`` is stored as
     ``(token_id, bias)`` pairs sorted by id (equal whatever the mapping's order).
     ``output_kind`` says what ``LLMEngine.step()`` reports while the request runs.
+    ``structured_outputs`` (a ``StructuredOutputsParams`` or a dict of its fields; vLLM's
+    older ``guided_decoding`` is accepted and mirrors it: set one) constrains the output to a JSON
+    schema, a regex, a choice or a grammar: every other token gets -inf before the other
+    processors (``worker/grammar.py``), and the request stops at eos once it is complete.
     ``best_of`` is vLLM's: None or equal to ``n`` (this engine has no best-of selection,
     so a larger one is refused naming it; a smaller one is refused as vLLM refuses it).
 
@@ -122,6 +127,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     best_of: int | None = None
+    structured_outputs: structured.StructuredOutputsParams | None = None
+    guided_decoding: structured.StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         t = check.finite_float("temperature", self.temperature)
@@ -197,6 +204,9 @@ class SamplingParams:
         self.allowed_token_ids = check.allowed_token_ids(self.allowed_token_ids)
         self.bad_words = check.strings("bad_words", self.bad_words)
         self.bad_words_token_ids = check.word_token_ids(self.bad_words_token_ids)
+        self.structured_outputs, self.guided_decoding = structured.resolve(
+            self.structured_outputs, self.guided_decoding
+        )
 
     def _check_best_of(self) -> None:
         """vLLM accepts None or ``best_of >= n``; without best-of selection only ``n``

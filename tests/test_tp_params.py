@@ -71,6 +71,8 @@ SPECIAL: dict[str, Any] = {
     "max_tokens": 1,  # None would run to max_model_len
     "temperature": 0.0,  # falsy: greedy
     "best_of": 1,  # None or n: 0 is refused
+    "structured_outputs": {"choice": ["the", "a"]},  # a dict: built into the record
+    "guided_decoding": {"regex": "[a-z]{1,3}"},  # the older name, mirrored
 }
 
 

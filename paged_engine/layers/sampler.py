@@ -1,6 +1,7 @@
-"""Next-token selection for a batch, in vLLM's order: min_tokens, logit_bias and the
-penalties (``logits_processors.py``), then greedy or temperature, min_p, top-k, top-p and a
-draw with per-request seeds."""
+"""Next-token selection for a batch, in vLLM's order: the grammar masks of structured
+outputs (``grammar_mask.py``), min_tokens, logit_bias and the penalties
+(``logits_processors.py``), then greedy or temperature, min_p, top-k, top-p and a draw with
+per-request seeds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from paged_engine.engine.outputs import FailedSample
+from paged_engine.layers.grammar_mask import TokenMask, apply_token_bitmask
 from paged_engine.layers.logits_processors import (
     TokenHistory,
     apply_logits_processors,
@@ -128,13 +130,17 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         histories: Sequence[TokenHistory | None] | None = None,
         eos_token_ids: Collection[int] = (),
+        token_mask: TokenMask | None = None,
     ) -> list[int | FailedSample | None]:
         """``logits`` ``[B, V]`` → ``B`` token ids, None for a row that is not all finite,
         ``FailedSample`` for a row whose sampling raised.
 
         ``histories[i]`` is row ``i``'s sequence so far (its prompt and output tokens),
         needed by rows with penalties, min_tokens or bad words; ``eos_token_ids`` are the
-        ids min_tokens masks beside each row's ``stop_token_ids``.
+        ids min_tokens masks beside each row's ``stop_token_ids``. ``token_mask`` holds the
+        grammar bitmasks of the rows with structured outputs: their disallowed tokens get
+        -inf before anything else (greedy, processors, temperature); the other rows are
+        untouched.
 
         One device-to-host transfer per call; an all-greedy batch without processors
         costs an argmax and the finiteness check.
@@ -149,6 +155,10 @@ class Sampler:
         logits = logits.float()
         dev = logits.device
         ok = torch.isfinite(logits).all(dim=-1)
+        if token_mask is not None:  # after the finiteness check, which reads the model's
+            logits = apply_token_bitmask(logits, *token_mask)
+            at = _index(token_mask[1], dev)
+            ok[at] = ok[at] & (logits[at].amax(dim=-1) > float("-inf"))
         tokens = logits.argmax(dim=-1)
         failed: dict[int, FailedSample] = {}
         active = [i for i in range(batch) if processes(params[i], hist[i])]

@@ -49,6 +49,7 @@ from paged_engine.worker.cuda_graphs import (
 )
 from paged_engine.worker.cuda_memory import cuda_pool_budget
 from paged_engine.worker.devices import resolve_device, resolve_dtype, set_cpu_threads
+from paged_engine.worker.grammar import StructuredOutputs
 from paged_engine.worker.kv_cache import KVCacheLayout, allocate_kv_cache, pool_size
 from paged_engine.worker.model_inputs import Batch, BatchBuilder
 from paged_engine.worker.sampling_step import PromptLogprobs, StepResult, step_logits, step_results
@@ -148,6 +149,9 @@ class ModelRunner:
         self.batch_builder = BatchBuilder(self.block_size, HostStaging(self.device))
         self.sampler = Sampler()
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = StructuredOutputs(  # rank 0's structured outputs (grammar.py)
+            self.model_config.vocab_size, self.eos_token_ids, self.model_config.model_dir
+        )
         # any int seeds the engine: s and s + 2**64 are the same seed
         self.rng = torch.Generator(device=self.device).manual_seed(config.seed % SEED_MODULUS)
         self.kv_cache = torch.empty(0)  # the CUDA warm-up pass runs before the pool exists
@@ -261,13 +265,14 @@ class ModelRunner:
         result wrapped in a ``SampleOutput`` in every step, with the logprobs of its
         sampled token and of the prompt positions this step's rows predict (raw logprobs:
         the model's distribution before penalties, temperature or filters, as vLLM)."""
+        self.grammars.prepare(seqs)  # compiles new grammars while the forward pass runs
         if self.workers is None:
             batch, logits, prompt = self._forward(seqs, is_prefill)
         else:  # hands the step to the other ranks, which run _forward with this one
             batch, logits, prompt = self.workers.forward(self._forward, seqs, is_prefill)
         generators = [self._generator(seqs[i]) for i in batch.sampling]
         return step_results(
-            seqs, batch, logits, prompt, self.sampler, generators, self.eos_token_ids
+            seqs, batch, logits, prompt, self.sampler, generators, self.eos_token_ids, self.grammars
         )
 
     def run_worker(self, seqs: list[Sequence], is_prefill: bool) -> None:

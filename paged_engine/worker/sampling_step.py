@@ -18,6 +18,7 @@ from paged_engine.engine.outputs import FailedSample, SampleOutput, TokenLogprob
 from paged_engine.engine.sequence import Sequence
 from paged_engine.layers.logprobs import prompt_logprobs, sampled_logprobs
 from paged_engine.layers.sampler import Sampler
+from paged_engine.worker.grammar import StructuredOutputs
 from paged_engine.worker.model_inputs import Batch
 
 __all__ = ["PromptLogprobs", "StepResult", "step_logits", "step_results"]
@@ -57,17 +58,24 @@ def step_results(
     sampler: Sampler,
     generators: SequenceABC[torch.Generator | None],
     eos_token_ids: Collection[int],
+    grammars: StructuredOutputs | None = None,
 ) -> list[StepResult]:
     """One result per sequence: its sampled token (``generators`` holds one generator per
     sampling row), None for a prefill chunk that samples nothing, ``FailedSample`` for
     logits that leave nothing to sample; wrapped in a ``SampleOutput`` for a request that
-    asks for logprobs or prompt logprobs."""
+    asks for logprobs or prompt logprobs. ``grammars`` masks the rows with structured
+    outputs and is advanced by their sampled tokens."""
     results: dict[int, int | FailedSample] = {}
     logprobs: dict[int, TokenLogprobs] = {}
     if batch.sampling:
         picked = [seqs[i] for i in batch.sampling]
         params = [s.sampling_params for s in picked]
-        tokens = sampler(logits, params, generators, picked, eos_token_ids)
+        mask, failed = (None, {}) if grammars is None else grammars.masks(picked)
+        tokens = sampler(logits, params, generators, picked, eos_token_ids, token_mask=mask)
+        for r, failure in failed.items():
+            tokens[r] = failure
+        if mask is not None and grammars is not None:
+            grammars.advance(picked, tokens)
         for i, seq, t in zip(batch.sampling, picked, tokens, strict=True):
             results[i] = t if t is not None else _failure(seq)
         asked = [p.logprobs for p in params]
