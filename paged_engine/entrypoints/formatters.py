@@ -28,6 +28,7 @@ from paged_engine.entrypoints.serving import (
     completion_logprobs,
     sse,
 )
+from paged_engine.entrypoints.tool_calls import ToolCall, ToolPolicy, ToolStream
 
 
 class _Formatter:
@@ -125,7 +126,9 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    """``/v1/chat/completions``: the first chunk of each choice carries the role."""
+    """``/v1/chat/completions``: the first chunk of each choice carries the role. Under a
+    tool policy (``tool_calls``) a choice's calls are read from its text when it ends: a
+    streamed one sends its content until a call begins, and its calls when it ends."""
 
     def __init__(
         self,
@@ -137,10 +140,14 @@ class ChatFormatter(_Formatter):
         *,
         top_logprobs: int | None,
         return_token_ids: bool,
+        tools: ToolPolicy | None = None,
     ) -> None:
         super().__init__(response_id, model, created, request_ids, n)
         self.top_logprobs = top_logprobs
         self.return_token_ids = return_token_ids
+        self.tools = tools
+        self._streams: dict[int, ToolStream] = {}
+        self._calls: dict[int, list[ToolCall]] = {}
 
     def _logprobs(self, c: CompletionOutput) -> ChatLogprobs | None:
         if self.top_logprobs is None:
@@ -155,9 +162,9 @@ class ChatFormatter(_Formatter):
                     [
                         ChatChunkChoice(
                             index=i,
-                            delta=DeltaMessage(role="assistant" if first else None, content=c.text),
+                            delta=self._delta(i, c, first),
                             logprobs=self._logprobs(c),
-                            finish_reason=c.finish_reason,
+                            finish_reason=self._finish_reason(i, c),
                             stop_reason=c.stop_reason,
                             token_ids=list(c.token_ids) if self.return_token_ids else None,
                         )
@@ -166,6 +173,34 @@ class ChatFormatter(_Formatter):
             )
             for i, c, first in self._news(out)
         ]
+
+    def _delta(self, index: int, c: CompletionOutput, first: bool) -> DeltaMessage:
+        role = "assistant" if first else None
+        if self.tools is None:
+            return DeltaMessage(role=role, content=c.text)
+        stream = self._streams.setdefault(index, ToolStream(self.tools))
+        if c.finish_reason is None:
+            return DeltaMessage(role=role, content=stream.add(c.text))
+        content, calls = stream.finish(c.text)
+        self._calls[index] = calls
+        deltas = [dict(call.as_dict(), index=k) for k, call in enumerate(calls)]
+        return DeltaMessage(role=role, content=content, tool_calls=deltas or None)
+
+    def _message(self, index: int, c: CompletionOutput) -> AssistantMessage:
+        if self.tools is None or c.finish_reason is None:
+            return AssistantMessage(content=c.text)
+        content, calls = self.tools.extract(c.text)
+        self._calls[index] = calls
+        return AssistantMessage(
+            content=content, tool_calls=[call.as_dict() for call in calls] or None
+        )
+
+    def _finish_reason(self, index: int, c: CompletionOutput) -> str | None:
+        """``tool_calls`` (or ``stop``, for a named function) where the choice made calls;
+        read after ``_delta`` / ``_message`` has read its text."""
+        if self.tools is None or c.finish_reason is None or not self._calls.get(index):
+            return c.finish_reason
+        return self.tools.finish_reason
 
     def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -180,9 +215,9 @@ class ChatFormatter(_Formatter):
                 choices.append(
                     ChatChoice(
                         index=i,
-                        message=AssistantMessage(content=c.text),
+                        message=self._message(i, c),
                         logprobs=self._logprobs(c),
-                        finish_reason=c.finish_reason,
+                        finish_reason=self._finish_reason(i, c),
                         stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids) if self.return_token_ids else None,
                     )

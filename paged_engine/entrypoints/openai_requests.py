@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from paged_engine.entrypoints.formatters import ChatFormatter, CompletionFormatter
 from paged_engine.entrypoints.limits import check_prompt_chars, prompt_too_long, text_chars
 from paged_engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from paged_engine.entrypoints.response_format import constrained
 from paged_engine.entrypoints.serving import (
     RequestError,
     chat_prompt,
@@ -25,7 +26,10 @@ from paged_engine.entrypoints.serving import (
     sampling_params,
 )
 from paged_engine.entrypoints.tokenize_pool import encoder
+from paged_engine.entrypoints.tool_calls import tool_policy
+from paged_engine.errors import InvalidRequestError
 from paged_engine.sampling_params import SamplingParams
+from paged_engine.structured_outputs import StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's ``max_tokens`` for ``/v1/completions`` when the body omits it (chat has none)."""
@@ -75,6 +79,7 @@ def prepare_completion(
         body.max_tokens if "max_tokens" in body.model_fields_set else DEFAULT_COMPLETION_MAX_TOKENS
     )
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, rename={})
+    params = constrained(params, body)
     rid = f"cmpl-{uuid.uuid4().hex}"
     ids = [f"{rid}-{i}" for i in range(len(prompts))]
     formatter = CompletionFormatter(
@@ -98,6 +103,7 @@ def prepare_chat(
     has_chat_template: bool,
     max_prompt_chars: int,
     created: int,
+    tool_call_parser: str | None = None,
 ) -> PreparedRequest:
     """``/v1/chat/completions``: one engine request for the conversation, rendered by the
     chat template; its errors name ``messages``, ``max_completion_tokens`` (when the body
@@ -116,6 +122,20 @@ def prepare_chat(
     k = (body.top_logprobs or 0) if body.logprobs else None
     rename = {"prompt": "messages", "max_tokens": limit_name, "logprobs": "top_logprobs"}
     params = sampling_params(body, max_tokens=getattr(body, limit_name), logprobs=k, rename=rename)
+    params = constrained(params, body)
+    tools = tool_policy(body.tools, body.tool_choice, tool_call_parser, body.parallel_tool_calls)
+    forced = None if tools is None else tools.forced_schema()
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise RequestError(
+                f"tool_choice {body.tool_choice!r} forces the output itself: it cannot be "
+                "combined with response_format or structured_outputs",
+                param="tool_choice",
+            )
+        try:
+            params = replace(params, structured_outputs=StructuredOutputsParams(json=forced))
+        except InvalidRequestError as e:
+            raise RequestError(f"a tool's parameters cannot be followed: {e}", param="tools") from e
     chars = text_chars([m.model_dump(exclude_none=True) for m in body.messages])
     if chars > max_prompt_chars:
         raise prompt_too_long("the conversation", chars, max_prompt_chars, "messages")
@@ -129,5 +149,6 @@ def prepare_chat(
         body.n,
         top_logprobs=k,
         return_token_ids=body.return_token_ids,
+        tools=tools,
     )
     return PreparedRequest(body, [rid], params, lambda: [render()], formatter, rename)

@@ -228,6 +228,7 @@ class OpenAIServer:
             has_chat_template=self.has_chat_template,
             max_prompt_chars=self.max_prompt_chars,
             created=int(arrival),
+            tool_call_parser=self.settings.tool_call_parser,
         )
         return await self._serve(request, work, arrival)
 

@@ -5,9 +5,10 @@ a float for ``n`` or a misspelt field is a 400 naming the field, never silently 
 ignored. Beside OpenAI's fields, the requests take vLLM's sampling extensions under vLLM's
 names (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``allowed_token_ids``, ``bad_words``, ``return_token_ids``). Responses keep OpenAI's
-field names and its nulls. vLLM's ``/tokenize`` and ``/detokenize`` bodies have vLLM's
-shapes and names, which its benchmark client (``vllm bench serve``) reads.
+``allowed_token_ids``, ``bad_words``, ``return_token_ids``, ``structured_outputs`` and the
+older ``guided_*`` fields). Responses keep OpenAI's field names and its nulls. vLLM's
+``/tokenize`` and ``/detokenize`` bodies have vLLM's shapes and names, which its benchmark
+client (``vllm bench serve``) reads.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ class SamplingFields(_Request):
     """vLLM's extension: words never generated (see ``SamplingParams``)."""
     return_token_ids: bool = False
     """vLLM's extension: each choice carries its ``token_ids`` (and ``prompt_token_ids``)."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``,
+    read by ``response_format.structured_params`` (which names the field)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's extension: ``StructuredOutputsParams``' fields (json, regex, choice...)."""
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -88,6 +98,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI's ``{type: function, function: {name, description, parameters}}`` objects,
+    checked by ``tool_calls.tool_policy`` (which names the field)."""
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeCompletionRequest(_Request):
@@ -198,6 +213,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -222,6 +238,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -20,6 +20,7 @@ from paged_engine.entrypoints.cli_args import HelpFormatter, add_engine_args, po
 from paged_engine.entrypoints.settings import (
     API_KEY_ENV,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    TOOL_CALL_PARSERS,
     ServerSettings,
     dp_authkey,
 )
@@ -55,6 +56,9 @@ def add_serve_parser(sub: Any) -> None:
         metavar="TEMPLATE",
         help="a Jinja chat template, or a file holding one, for models without one",
     )
+    add("--enable-auto-tool-choice", action="store_true", help='chat\'s tool_choice "auto"')
+    tool_help = "how calls are read from the text: hermes, <tool_call>{json}</tool_call> (Qwen)"
+    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None, help=tool_help)
     add(
         "--max-queue",
         type=positive,
@@ -110,19 +114,9 @@ def add_serve_parser(sub: Any) -> None:
         help="of the N replicas, those this node runs; the head listens for the other N - L, "
         "started on other hosts with --headless (shared key: $PAGED_ENGINE_DP_AUTHKEY)",
     )
-    add(
-        "--data-parallel-address",
-        default="127.0.0.1",
-        metavar="HOST",
-        help="the head's address, where it listens for remote replicas and they connect",
-    )
-    add(
-        "--data-parallel-rpc-port",
-        type=int,
-        default=29550,
-        metavar="PORT",
-        help="the head's port for them",
-    )
+    dp_help = "the head's address, where it listens for remote replicas and they connect"
+    add("--data-parallel-address", default="127.0.0.1", metavar="HOST", help=dp_help)
+    add("--data-parallel-rpc-port", type=int, default=29550, metavar="PORT", help="its port")
     add(
         "--data-parallel-connect-timeout",
         type=float,
@@ -171,6 +165,8 @@ def check_serve_args(a: argparse.Namespace) -> None:
             f"({', '.join(missing)} not installed)"
         )
     _check_dp_args(a)
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if a.engine_core_restarts < 0:
         raise ValueError(f"--engine-core-restarts must be >= 0, got {a.engine_core_restarts}")
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -186,6 +182,7 @@ def check_serve_args(a: argparse.Namespace) -> None:
             log_level=a.log_level,
             max_prompt_chars=a.max_prompt_chars,
             max_request_body_bytes=a.max_request_body_bytes,
+            tool_call_parser=a.tool_call_parser if a.enable_auto_tool_choice else None,
         )
     except ValueError as e:
         field, _, rest = str(e).partition(" ")

@@ -150,7 +150,9 @@ def chat_prompt(
     tokenizer: Any, req: ChatCompletionRequest, template: str | None
 ) -> Callable[[], dict[str, list[int]]]:
     """The conversation as a prompt, rendered when called: the engine thread calls it, so
-    the tokenizer is used by that thread alone. Text parts are joined by newlines."""
+    the tokenizer is used by that thread alone. Text parts are joined by newlines. The
+    request's tools go to the template (which shows them to the model) unless its
+    ``tool_choice`` is ``"none"``."""
     messages = []
     for m in req.messages:
         d = m.model_dump(exclude_none=True)
@@ -158,10 +160,12 @@ def chat_prompt(
             d["content"] = "\n".join(part.text for part in m.content)
         messages.append(d)
     add_generation_prompt = req.add_generation_prompt
+    tools = None if req.tool_choice == "none" else req.tools
 
     def render() -> dict[str, list[int]]:
         out = tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             tokenize=True,
             add_generation_prompt=add_generation_prompt,
             chat_template=template,

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 API_KEY_ENV = "PAGED_ENGINE_API_KEY"
 """The environment variable ``serve`` reads the API key from when ``--api-key`` is absent."""
+TOOL_CALL_PARSERS = ("hermes",)
+"""The ``--tool-call-parser`` values the server reads (``tool_calls``)."""
 DP_AUTHKEY_ENV = "PAGED_ENGINE_DP_AUTHKEY"
 """The secret that a head and its headless nodes share (``dp_remote``): an environment
 variable, not a flag, so that it shows in no process list."""
@@ -33,7 +35,9 @@ class ServerSettings:
     before tokenizing; None: ``max_model_len`` times the tokenizer's longest token
     (``limits``);
     ``max_request_body_bytes``: the largest request body accepted (413 beyond);
-    ``tokenize_threads``: the threads that tokenize prompts, beside the event loop."""
+    ``tokenize_threads``: the threads that tokenize prompts, beside the event loop;
+    ``tool_call_parser``: how ``tool_choice="auto"`` reads calls from the text (vLLM's
+    ``--enable-auto-tool-choice --tool-call-parser``; None: ``auto`` is refused)."""
 
     served_model_name: str
     host: str = "127.0.0.1"
@@ -47,6 +51,7 @@ class ServerSettings:
     max_prompt_chars: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     tokenize_threads: int = 2
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -65,6 +70,11 @@ class ServerSettings:
             raise ValueError("api_key must be a non-empty string or None")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError(f"chat_template must be a string or None, got {self.chat_template!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)} or None, "
+                f"got {self.tool_call_parser!r}"
+            )
         names = ["max_queue", "max_step_failures", "max_request_body_bytes", "tokenize_threads"]
         if self.max_prompt_chars is not None:
             names.append("max_prompt_chars")
