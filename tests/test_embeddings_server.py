@@ -4,7 +4,8 @@ position, normalised, computed here; texts, one list of token ids, or lists of t
 usage counts the prompts' tokens. Pooling runs on the engine loop's thread alone, also
 while a completion is being generated. Bad input is a 400 (404 for another model) in
 OpenAI's error shape, naming the field, before anything is pooled. A route that pools the
-wrong rows fails the same check. With ``--engine-core process`` the route answers 501."""
+wrong rows fails the same check. The engine core in its own process, and data
+parallelism: ``tests/test_embeddings_process.py``."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from paged_engine.entrypoints import embedding_routes
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.pooling import PoolingParams, pool_now
-from tests.test_server_support import MODEL, Live, live_server, serve_process
+from tests.test_server_support import MODEL, Live, live_server
 
 pytestmark = pytest.mark.timeout(180)
 TEXTS = ["The capital of France is Paris.", "Bananas are yellow", "hi", "naïve café 🙂"]
@@ -198,10 +199,3 @@ def test_a_route_pooling_the_wrong_rows_is_caught(
     r = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
     with pytest.raises(AssertionError):
         check_vectors([d.embedding for d in r.data], TEXTS, hf)
-
-
-def test_engine_in_another_process_answers_501(tiny_model_dir: Path) -> None:
-    with serve_process(tiny_model_dir, "--engine-core", "process") as (url, _):
-        r = httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
-    assert r.status_code == 501, r.text
-    assert "--engine-core thread" in r.json()["error"]["message"]

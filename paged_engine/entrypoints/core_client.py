@@ -5,13 +5,13 @@ either without knowing which.
 
 One reader thread receives everything the core sends: each step's token deltas become
 text and outputs here (``core_streams``, ``core_outputs``), handed to the event loop with
-one ``call_soon_threadsafe`` (as ``EngineLoop`` does); also the metrics' reports and the
-add answers to the waiting ``submit``s.
+one ``call_soon_threadsafe`` (as ``EngineLoop`` does); also the metrics' reports, the add
+answers to the waiting ``submit``s, the answers to ``call_core`` (``core_calls``).
 
 Faults: if the core process dies (its pipe closes or cannot be read, or its engine thread
 died), every request in flight ends with a ``RequestFailed`` (500) naming it, pending adds
-are refused, ``alive`` turns False (``/health`` 503), and ``on_death`` is called: the
-server then exits, or, with restarts left, a new core serves once loaded (503 until
+and calls are refused (503), ``alive`` turns False (``/health`` 503), and ``on_death`` is
+called: the server exits, or, with restarts left, a new core serves once loaded (503 until
 then). ``stop`` asks the core to finish, then terminates and kills it after a bound, a
 core being restarted too: no process is left behind.
 """
@@ -19,17 +19,21 @@ core being restarted too: no process is left behind.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import itertools
 import logging
 import multiprocessing
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-from paged_engine.entrypoints.core_process import CoreInfo, CoreSpec, core_main, end_process
+from paged_engine.entrypoints.core_calls import PendingCalls
+from paged_engine.entrypoints.core_process import (
+    CoreInfo,
+    CoreSpec,
+    core_main,
+    end_process,
+    first_answer,
+)
 from paged_engine.entrypoints.core_streams import CoreStreams
 from paged_engine.entrypoints.engine_loop import _deliver
 from paged_engine.entrypoints.loop_types import (
@@ -74,9 +78,8 @@ class CoreClient:
         self._send_lock = threading.Lock()
         self.streams = CoreStreams()
         """The requests in flight; ``streams.use_tokenizer``: the engine's tokenizer."""
-        self._adds: dict[int, concurrent.futures.Future[None]] = {}
-        self._keys = itertools.count()
-        self._lock = threading.Lock()
+        self._adds = PendingCalls()
+        self.calls = PendingCalls()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._draining = False
@@ -95,15 +98,9 @@ class CoreClient:
                 raise RuntimeError("the core client is stopping")
             process, parent = self._spawn()
             self._launching = process  # stop() ends it while it loads
-        deadline = time.monotonic() + self.load_timeout
+        snapshot = None
         try:
-            while True:  # the engine thread publishes its first snapshot before "ready"
-                if not parent.poll(max(0.0, deadline - time.monotonic())):
-                    raise RuntimeError(f"the engine core did not load in {self.load_timeout} s")
-                message = parent.recv()
-                if message[0] != "snapshot":
-                    break
-                self.snapshot = message[1]
+            snapshot, message = first_answer(parent, self.load_timeout)
         except (EOFError, OSError):
             process.join(KILL_WAIT_S)
             message = ("failed", RuntimeError(self._died_why(process)))
@@ -119,6 +116,7 @@ class CoreClient:
                 self._abandon(process, parent, 0.0)
                 raise RuntimeError("the core client is stopping")
             self._process, self._conn, self.info, self.fatal = process, parent, message[1], None
+            self.snapshot = snapshot or self.snapshot
         return self.info
 
     def _abandon(self, process: Any, conn: Any, timeout: float) -> None:
@@ -169,20 +167,23 @@ class CoreClient:
         if self._draining or not self.alive:
             raise EngineUnavailable(self.fatal or "the server is shutting down")
         sink: asyncio.Queue[Event] = asyncio.Queue()
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        key = next(self._keys)
-        with self._lock:
-            self._adds[key] = done
+        key, done = self._adds.new()
         try:
             sent = self.streams.open(key, sink, requests)
             self._send(("add", key, sent, arrival_time))
             await asyncio.wrap_future(done)
         except BaseException:
             self.streams.close(key)
-            with self._lock:
-                self._adds.pop(key, None)
+            self._adds.drop(key)
             raise
         return sink
+
+    async def call_core(self, name: str, *args: Any) -> Any:
+        """``core_calls.CALLS[name](engine, *args)`` run on the core's loop thread: its
+        result, or raise its error (``EngineUnavailable`` if the core dies meanwhile)."""
+        if self._draining or not self.alive:
+            raise EngineUnavailable(self.fatal or "the server is shutting down")
+        return await self.calls.call(self._send, name, args)
 
     def abort(self, request_ids: list[str] | tuple[str, ...]) -> None:
         if request_ids and self.alive:  # a core gone meanwhile: nothing is left to abort
@@ -245,15 +246,12 @@ class CoreClient:
             batch, ended_here = self.streams.deliver(message[1], self.observer)
             self._post(batch)
             self.abort(ended_here)
-        elif kind == "added":
-            with self._lock:
-                done = self._adds.pop(message[1], None)
-            if done is not None and not done.done():  # done: its submit was cancelled
-                if message[2] is None:
-                    done.set_result(None)
-                else:
-                    self.streams.close(message[1])
-                    done.set_exception(message[2])
+        elif kind == "added":  # a refused add's stream is closed (a cancelled one's too)
+            if message[2] is not None:
+                self.streams.close(message[1])
+            self._adds.answer(message[1], None, message[2])
+        elif kind == "called":
+            self.calls.answer(message[1], message[2], message[3])
         elif kind == "snapshot":
             self.snapshot = message[1]
         elif kind == "observe":
@@ -282,10 +280,8 @@ class CoreClient:
         why = self.fatal or self._died_why(process)
         self.fatal = why
         log.error("%s: failing every request in flight", why)
-        with self._lock:
-            adds, self._adds = self._adds, {}
-        for done in (d for d in adds.values() if not d.done()):
-            done.set_exception(EngineUnavailable(why))
+        self._adds.fail_all(EngineUnavailable(why))
+        self.calls.fail_all(EngineUnavailable(why))
         self._post(self.streams.fail_all(why, self.observer))
         if self.restarts_left > 0 and not self._draining:
             self.restarts_left -= 1

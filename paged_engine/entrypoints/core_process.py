@@ -12,10 +12,12 @@ metrics observer's calls are sent over one pipe instead of being handed to an ev
 The wire (``multiprocessing`` connections, pickled tuples of plain records):
 
 * API → core: ``("add", key, requests, arrival_time)``, ``("abort", ids)``,
+  ``("call", key, name, args)`` (a function of the engine, by name: ``core_calls``),
   ``("drain", grace_s)``, ``("stop",)``;
 * core → API: ``("ready", info)`` once the model is loaded (or ``("failed", error)``),
   ``("added", key, error)`` for each add (``error`` None or the exception ``add_request``
-  raised), ``("events", [(key, item), ...])`` once per step (``item`` a
+  raised), ``("called", key, result, error)`` for each call, ``("events", [(key, item),
+  ...])`` once per step (``item`` a
   ``core_wire.WireOutput``: token ids, no text; or a ``RequestFailed`` or ``Restarted``),
   ``("snapshot", s)`` when it changed, ``("observe", method, args)`` for the metrics
   (``added`` and ``ended``), and ``("fatal", message)`` if the engine thread dies.
@@ -39,14 +41,16 @@ import os
 import pickle
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.request import RequestOutput
+from paged_engine.entrypoints.core_calls import answer_call, engine_function
 from paged_engine.entrypoints.core_wire import encode
 from paged_engine.entrypoints.engine_loop import EngineLoop, _Add
-from paged_engine.entrypoints.loop_types import EngineSnapshot
+from paged_engine.entrypoints.loop_types import EngineCall, EngineSnapshot
 from paged_engine.entrypoints.routes import Batch
 
 log = logging.getLogger(__name__)
@@ -174,6 +178,16 @@ class CoreLoop(EngineLoop):
             if not done.done():
                 done.set_exception(exc)
 
+    def call_remote(self, key: int, name: str, args: tuple[Any, ...]) -> None:
+        """Run the engine call ``name`` on the loop's thread (``EngineLoop.call``'s way),
+        its outcome answered over the pipe (the command reader's thread)."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.add_done_callback(lambda f: answer_call(self._send, key, f))
+        try:
+            self._put(EngineCall(engine_function(name, args), done))
+        except Exception as exc:  # an unknown name, or the loop has stopped
+            done.set_exception(exc)
+
 
 def core_main(spec: CoreSpec, conn: Any) -> None:
     """The core process's entry point (``multiprocessing`` spawn target). ``conn`` is the
@@ -226,6 +240,8 @@ def _read_commands(conn: Any, loop: CoreLoop) -> None:
         kind = message[0]
         if kind == "add":
             loop.add_remote(message[1], message[2], message[3])
+        elif kind == "call":
+            loop.call_remote(message[1], message[2], message[3])
         elif kind == "abort":
             loop.abort(message[1])
         elif kind == "drain":
@@ -234,6 +250,21 @@ def _read_commands(conn: Any, loop: CoreLoop) -> None:
             return
         else:
             log.error("unknown command %r from the API process", kind)
+
+
+def first_answer(conn: Any, timeout: float) -> tuple[EngineSnapshot | None, tuple[Any, ...]]:
+    """A starting core's last snapshot and its ``ready`` (or ``failed``) message: the
+    engine thread publishes its first snapshot before ``ready``. ``EOFError``/``OSError``
+    if it died; ``RuntimeError`` if it did not load within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    snapshot = None
+    while True:
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise RuntimeError(f"the engine core did not load in {timeout} s")
+        message = conn.recv()
+        if message[0] != "snapshot":
+            return snapshot, message
+        snapshot = message[1]
 
 
 def end_process(process: Any, timeout: float, kill_wait_s: float = 2.0) -> bool:

@@ -17,7 +17,8 @@ The router's memory approximates each replica's cache (a replica may have evicte
 block since); a wrong guess costs a recomputation, never a wrong answer.
 
 ``DPClient`` has ``EngineLoop``'s interface. One HTTP request's prompts go to one
-replica, chosen by its first prompt, so ``submit`` stays all-or-none. A replica that
+replica, chosen by its first prompt, so ``submit`` stays all-or-none. An engine call
+(``call_core``: one embedding's pooling) goes to the least loaded replica. A replica that
 dies fails its own requests only; the others keep serving and the router skips it.
 
 The load counts: a request counts from its ``submit`` until its replica reports its end
@@ -217,6 +218,17 @@ class DPClient:
             self.indexes[i].add(hashes)
             self.routed[i] += 1
         return sink
+
+    async def call_core(self, name: str, *args: Any) -> Any:
+        """An engine call (``core_calls``: pooling) on one live replica: ``choose`` with no
+        prefix (a vector is the same everywhere), so the least loaded, ties to the one sent
+        the fewest requests and calls so far (round robin when idle)."""
+        if self._draining:
+            raise EngineUnavailable("the server is shutting down")
+        with self._lock:
+            i = self.choose([])
+            self.routed[i] += 1
+        return await self.replicas[i].call_core(name, *args)
 
     def ended(self, request_id: str) -> None:
         """A replica reported the request's end (its reader thread): its load is gone."""

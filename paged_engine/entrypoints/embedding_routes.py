@@ -7,8 +7,12 @@ being generated go on stepping between the inputs of a large batch. Every input 
 (one call) before any is pooled: a bad one is a 400 naming it, and nothing ran. An input
 whose KV blocks are not free at that moment (running requests hold the pool) is a 503.
 
-With ``--engine-core process`` the engine lives in another process, which has no way to
-run a pooling job: the route answers 501 there, saying so.
+With ``--engine-core process`` (and data parallelism) the engine lives in another process:
+a function does not cross the pipe, so the route asks the core by name (``core_calls``:
+``check_inputs``, then ``pool`` per input, each run on the core's loop thread between two
+steps, the vector sent back as float32 bytes); with several replicas each call goes to the
+least loaded one (``DPClient.call_core``). The same checks, answers and errors in every
+mode; a core that dies while an input is being pooled fails the request with a 503.
 
 The checks before the engine, as the completion routes make them: the body size, the
 fields (a 400 naming one; ``dimensions`` is refused, as vLLM refuses it for a model that
@@ -23,20 +27,25 @@ import base64
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from paged_engine.entrypoints.core_calls import check_inputs
 from paged_engine.entrypoints.engine_loop import EngineLoop
 from paged_engine.entrypoints.limits import prompt_too_long, read_body
 from paged_engine.entrypoints.loop_types import EngineUnavailable
 from paged_engine.entrypoints.openai_requests import check_model
 from paged_engine.entrypoints.serving import RequestError, validation_error
 from paged_engine.entrypoints.tokenize_pool import TokenizePool
-from paged_engine.pooling import PoolBusy, PoolingParams, checked_ids, pool_now
+from paged_engine.pooling import PoolBusy, PoolingParams, pool_now
+
+if TYPE_CHECKING:
+    from paged_engine.entrypoints.core_client import CoreClient
+    from paged_engine.entrypoints.dp_client import DPClient
 
 
 class EmbeddingRequest(BaseModel):
@@ -91,20 +100,20 @@ def request_inputs(body: EmbeddingRequest) -> list[str | list[int]]:
     return inputs
 
 
-def encoded(vector: Any, encoding_format: str) -> list[float] | str:
-    """A pooled vector (a CPU float tensor) as the response carries it."""
+def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    """A pooled vector (float32, as every mode returns it) as the response carries it."""
     if encoding_format == "base64":
-        raw = np.asarray(vector.numpy(), dtype="<f4").tobytes()
+        raw = np.asarray(vector, dtype="<f4").tobytes()
         return base64.b64encode(raw).decode("ascii")
     return list(vector.tolist())
 
 
 @dataclass
 class EmbeddingRoutes:
-    """What the route needs of the server: its engine loop (``None`` or a client of
-    engine core processes: 501), tokenizer, model name, limits and ``TokenizePool``."""
+    """What the route needs of the server: its engine loop (or its client of engine core
+    processes), tokenizer, model name, limits and ``TokenizePool``."""
 
-    loop: object
+    loop: EngineLoop | CoreClient | DPClient
     tokenizer: Any
     served_model_name: str
     max_prompt_chars: int
@@ -131,19 +140,9 @@ class EmbeddingRoutes:
                 param="dimensions",
             )
         inputs = request_inputs(body)
-        loop = self.loop
-        if not isinstance(loop, EngineLoop):
-            raise RequestError(
-                "/v1/embeddings needs the engine in the server's process: start it with "
-                "--engine-core thread (with --engine-core process it is not supported)",
-                status=501,
-                code="not_implemented",
-            )
         ids = await self._tokenized(inputs)
-        params = PoolingParams()
         try:
-            await loop.call(lambda engine: _check_all(engine, ids))
-            vectors = [await loop.call(_pooling_job(one, params)) for one in ids]
+            vectors = await self._pooled(ids, PoolingParams())
         except EngineUnavailable as e:
             raise RequestError(str(e), status=503) from None
         except PoolBusy as e:
@@ -163,6 +162,19 @@ class EmbeddingRoutes:
             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
         )
         return JSONResponse(response.model_dump())
+
+    async def _pooled(self, ids: list[list[int]], params: PoolingParams) -> list[np.ndarray]:
+        """Every input checked (one call), then each pooled (one call each), in this
+        process's engine thread or, by name, in an engine core's (``core_calls``)."""
+        loop = self.loop
+        if isinstance(loop, EngineLoop):
+            await loop.call(_checking_job(ids))
+            tensors = [await loop.call(_pooling_job(one, params)) for one in ids]
+            return [t.float().numpy() for t in tensors]
+        await loop.call_core("check_inputs", ids)
+        fields = (params.normalize, params.pooling_type)
+        raw = [await loop.call_core("pool", one, *fields) for one in ids]
+        return [np.frombuffer(r, dtype="<f4") for r in raw]
 
     async def _tokenized(self, inputs: list[str | list[int]]) -> list[list[int]]:
         """Each input's token ids: texts checked for length, then encoded on the pool."""
@@ -187,10 +199,8 @@ class EmbeddingRoutes:
             raise RequestError(f"the input could not be tokenized: {exc}", param="input") from exc
 
 
-def _check_all(engine: Any, ids: list[list[int]]) -> None:
-    """Every input refused or kept before any is pooled (the engine thread)."""
-    for i, one in enumerate(ids):
-        checked_ids(engine, {"prompt_token_ids": one}, f"input {i}")
+def _checking_job(ids: list[list[int]]) -> Any:
+    return lambda engine: check_inputs(engine, ids)
 
 
 def _pooling_job(ids: list[int], params: PoolingParams) -> Any:
