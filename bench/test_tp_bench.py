@@ -20,7 +20,7 @@ overhead honestly; the point of TP is a model that does not fit one device.
 What the collectives and hand-offs cost at Qwen3-0.6B's shapes:
 bench/test_tp_costs_bench.py.
 
-The figures and the kept hand-off are in the README's tensor-parallelism section.
+The figures and the kept hand-off are in docs/performance.md, "Tensor parallelism".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ alone. It also computes (not measures) what a Qwen3-0.6B step moves: ``2 * 28 + 
 all-reduces of ``rows * 1024 * 2`` bytes in bfloat16 and one gather, and the hand-off's
 bytes against pickling every sequence's token list.
 
-The figures and the kept hand-off are in the README's tensor-parallelism section.
+The figures and the kept hand-off are in docs/performance.md, "Tensor parallelism".
 """
 
 from __future__ import annotations

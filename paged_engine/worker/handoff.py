@@ -24,7 +24,8 @@ workers:
   the shared memory.
 
 ``bench/test_tp_bench.py`` measures both in the engine's step, ``bench/test_tp_costs_bench.py``
-alone; the shared-memory channel is kept (figures there and in the README).
+alone; the shared-memory channel is kept (figures there and in docs/performance.md,
+"Tensor parallelism").
 """
 
 from __future__ import annotations
