@@ -28,9 +28,9 @@
  * The arguments (lengths, tables) are validated, then read again with the GIL released:
  * callers must not change them from another thread during the call.
  *
- * Threads (run_items, below). A call's work is batch x kv_heads items, one (sequence, kv
- * head) each, computed whole by one thread in the one order the template fixes, so the
- * output is the same bits at any thread count. With num_threads > 1 (the launcher passes
+ * Threads (run_items, below). A call's work is batch x kv_heads / span items, one (sequence,
+ * run of span kv heads) each (run_span, paged_decode_cpu.h), computed whole by one thread
+ * in the one order the template fixes, so the output is the same bits at any thread count. With num_threads > 1 (the launcher passes
  * torch.get_num_threads(), read once per step) the items are claimed one at a time from an
  * atomic counter, longest context first, by up to min(num_threads, items) threads: a thread
  * that loses its core to another process holds back at most the one item it is in, where a
@@ -129,8 +129,9 @@ static int longer_first(const void *x, const void *y) {
 }
 
 /* The items of a call, on up to a->num_threads threads (see the header comment). */
-int run_items(const Args *a, ItemFn item) {
-    const int64_t items = (int64_t)a->batch * a->kv_heads;
+int run_items(const Args *a, ItemFn item, int span) {
+    const int per = a->kv_heads / span; /* items per sequence */
+    const int64_t items = (int64_t)a->batch * per;
     const int threads = items < a->num_threads ? (int)items : a->num_threads;
 #ifdef _OPENMP
     if (threads > 1) {
@@ -149,8 +150,9 @@ int run_items(const Args *a, ItemFn item) {
             for (;;) {
                 const int64_t i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
                 if (i >= items) break;
-                const int64_t rank = i / a->kv_heads;
-                item(a, order != NULL ? order[rank].index : (int)rank, (int)(i % a->kv_heads));
+                const int64_t rank = i / per;
+                item(a, order != NULL ? order[rank].index : (int)rank, (int)(i % per) * span,
+                     span);
             }
         }
         free(order);
@@ -158,7 +160,7 @@ int run_items(const Args *a, ItemFn item) {
     }
 #endif
     for (int b = 0; b < a->batch; b++)
-        for (int kh = 0; kh < a->kv_heads; kh++) item(a, b, kh);
+        for (int kh0 = 0; kh0 < a->kv_heads; kh0 += span) item(a, b, kh0, span);
     return 1;
 }
 

@@ -14,6 +14,10 @@
 /* Tokens scored before each online-softmax update: at most this many, and never past the
  * end of a block (so with small blocks the accumulator is rescaled once per block). */
 #define CHUNK 32
+/* An item's query heads and their accumulators live on its stack: at most this many heads,
+ * and heads x head_dim elements (MAX_GROUP x MAX_DIM, one kv head's worst case, fits). */
+#define ITEM_MAX_HEADS 64
+#define ITEM_MAX_ELEMS 4096
 
 typedef struct {
     const void *q; /* float or bfloat16 (raw uint16_t bits), as the variant reads them */
@@ -28,14 +32,28 @@ typedef struct {
     int num_threads; /* >= 1: the most threads run_items may use (the launcher's choice) */
 } Args;
 
-/* One work item: sequence b against kv head kh (its G query heads), its output written in
- * full. Each variant's is compiled for its instruction sets; run_items calls it. */
-typedef void (*ItemFn)(const Args *a, int b, int kh);
+/* One work item: sequence b against kv heads kh0 .. kh0 + nkv - 1 (their query heads), its
+ * output written in full. Each variant's is compiled for its instruction sets; run_items
+ * calls it. */
+typedef void (*ItemFn)(const Args *a, int b, int kh0, int nkv);
 
-/* Every (b, kh) item of a call, each computed whole by one thread (so the result is the
- * same bits whatever the thread count); in parallel when a->num_threads > 1 and OpenMP is
- * built in (paged_decode_cpu.c). Returns the number of threads that ran. */
-int run_items(const Args *a, ItemFn item);
+/* Every item of a call, `span` kv heads each (kv_heads a multiple of it), each computed whole
+ * by one thread (so the result is the same bits whatever the thread count); in parallel
+ * when a->num_threads > 1 and OpenMP is built in (paged_decode_cpu.c). Returns the number
+ * of threads that ran. */
+int run_items(const Args *a, ItemFn item, int span);
+
+/* How many kv heads one item takes where the copy has runs (paged_decode_head.h): all of
+ * them where there are 2 or 4 and their query heads fit an item (ITEM_MAX_*), else 1. Only
+ * whole rows: a run of 4 of 8 kv heads (head_dim 128) still jumps half a row at every
+ * token, and measured no faster than one kv head at a time. A function of the geometry
+ * alone, never of the thread count or the batch, so the items, and the bits, are the same
+ * however a call runs. */
+static inline int run_span(const Args *a) {
+    const int G = a->heads / a->kv_heads, span = a->kv_heads;
+    const int fits = span * G <= ITEM_MAX_HEADS && span * G * a->head_dim <= ITEM_MAX_ELEMS;
+    return (span == 2 || span == 4) && fits ? span : 1;
+}
 
 /* A copy's entry point: returns run_items' thread count. */
 typedef int (*Kernel)(const Args *a);

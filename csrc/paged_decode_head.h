@@ -93,54 +93,167 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
     }
 }
 
+/* A run of kv heads: sequence b against kv heads kh0 .. kh0 + nkv - 1 (their nkv x G query
+ * heads). Each head's arithmetic is decode_head's (every score, softmax update and
+ * accumulation in the same order), so the bits do not depend on how a sequence's heads
+ * are split into items (a test compares them). Why runs of heads: a token's K (and V) row
+ * holds every kv head, so an item of all of them reads each block's rows as one contiguous
+ * stretch, front to back, where an item of one kv head reads a kv_heads-th of each row and
+ * jumps to the next (bench/test_bandwidth_bench.py measures the kernel's read rate). nkv is
+ * a constant (2 or 4) in every copy: read at run time, the heads' loops are neither
+ * unrolled nor vectorised. decode_head stays, unchanged, for items of one kv head: the
+ * geometries this was not measured to help keep the code they had. */
+static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args *a, int b,
+                                                                      int kh0, int nkv,
+                                                                      const int D,
+                                                                      const int G) {
+    const int BS = a->block_size, H = nkv * G;
+    const int64_t row = (int64_t)a->kv_heads * D; /* elements from one token to the next */
+    const int32_t *table = a->tables + (int64_t)b * a->table_width;
+    const int len = a->lens[b];
+    const DH_ELEM *Q = (const DH_ELEM *)a->q, *K = (const DH_ELEM *)a->k + (int64_t)kh0 * D;
+    const DH_ELEM *V = (const DH_ELEM *)a->v + (int64_t)kh0 * D;
+
+    float qs[ITEM_MAX_ELEMS], acc[ITEM_MAX_ELEMS], s[ITEM_MAX_HEADS][CHUNK];
+#ifdef DH_RAW_Q
+    DH_ELEM qe[ITEM_MAX_ELEMS];
+#else
+    const DH_ELEM *qe = NULL; /* this variant's dot reads only qs */
+#endif
+    float m[ITEM_MAX_HEADS], l[ITEM_MAX_HEADS];
+    for (int h = 0; h < H; h++) {
+        /* item head h is query head kh0 * G + h, which reads kv head kh0 + h / G */
+        const DH_ELEM *qq = Q + b * a->q_stride_b + (kh0 * G + h) * a->q_stride_h;
+        for (int x = 0; x < D; x++) {
+#ifdef DH_RAW_Q
+            qe[h * D + x] = qq[x];
+#endif
+            qs[h * D + x] = DH_TO_F32(qq[x]) * a->scale;
+            acc[h * D + x] = 0.f;
+        }
+        m[h] = -FLT_MAX;
+        l[h] = 0.f;
+    }
+    (void)qe, (void)qs; /* each variant's dot reads one of the two */
+    for (int t0 = 0; t0 < len;) {
+        const int off = t0 % BS;
+        int n = BS - off;
+        if (n > CHUNK) n = CHUNK;
+        if (n > len - t0) n = len - t0;
+        const int64_t base = ((int64_t)table[t0 / BS] * BS + off) * row;
+        const DH_ELEM *kr = K + base, *vr = V + base;
+        for (int t = 0; t < n; t++, kr += row)
+            for (int j = 0; j < nkv; j++)
+                for (int i = 0; i < G; i++) {
+                    const int h = j * G + i;
+                    s[h][t] = DH_DOT(qs + h * D, qe + h * D, kr + j * D, D, a->scale);
+                }
+        for (int h = 0; h < H; h++) {
+            float top = m[h];
+            for (int t = 0; t < n; t++) top = s[h][t] > top ? s[h][t] : top;
+            const float rescale = expf(m[h] - top);
+            float sum = 0.f;
+            for (int t = 0; t < n; t++) {
+                s[h][t] = expf(s[h][t] - top);
+                sum += s[h][t];
+            }
+            l[h] = l[h] * rescale + sum;
+            m[h] = top;
+            for (int x = 0; x < D; x++) acc[h * D + x] *= rescale;
+        }
+        for (int t = 0; t < n; t++, vr += row)
+            for (int j = 0; j < nkv; j++)
+                for (int i = 0; i < G; i++) {
+                    const int h = j * G + i;
+                    const float p = s[h][t];
+                    const DH_ELEM *vh = vr + j * D;
+                    for (int x = 0; x < D; x++) acc[h * D + x] += p * DH_TO_F32(vh[x]);
+                }
+        t0 += n;
+    }
+    for (int h = 0; h < H; h++) {
+        DH_ELEM *o = (DH_ELEM *)a->out + b * a->out_stride_b + (kh0 * G + h) * a->out_stride_h;
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f; /* an empty context gives zeros */
+        for (int x = 0; x < D; x++) o[x] = DH_FROM_F32(acc[h * D + x] * inv);
+    }
+}
+
 /* The work items: one copy per specialised head dim (D a constant, so the dots unroll and
  * vectorise) and group size, each carrying DH_ATTR. run_items calls them through a pointer,
  * from one thread or from many, so every item runs the same compiled copy at any thread
  * count (no loop of items here for OpenMP to outline into code of another target: the same
- * bits either way). A call per item costs nothing next to an item (a context of G heads).
+ * bits either way). A call per item costs nothing next to an item (a whole context).
  * A copy with G a constant keeps the group's accumulator rows in registers, where one with
- * G read at run time cannot; both give the same bits. */
-#define DH_ITEM(DIM, GR)                                                           \
-    DH_ATTR static void DH_NAME(item_d##DIM##_g##GR)(const Args *a, int b, int kh) { \
-        DH_NAME(decode_head)(a, b, kh, DIM, GR);                                   \
+ * G read at run time cannot; both give the same bits.
+ *
+ * Runs of kv heads (decode_run; run_span says when) only for head dims 64 and 128 with G a
+ * constant, in copies of their own: every other geometry takes one kv head per item, and
+ * more copies would cost build time (each is compiled per level and dtype). */
+#define DH_ITEM(DIM, GR)                                                              \
+    DH_ATTR static void DH_NAME(item_d##DIM##_g##GR)(const Args *a, int b, int kh0,   \
+                                                      int nkv) {                      \
+        (void)nkv; /* 1: run_items' span for these copies */                         \
+        DH_NAME(decode_head)(a, b, kh0, DIM, GR);                                     \
     }
-#define DH_SPECIALISE(DIM)                                                  \
-    DH_ITEM(DIM, 1)                                                         \
-    DH_ITEM(DIM, 2)                                                         \
-    DH_ITEM(DIM, 4)                                                         \
-    DH_ATTR static void DH_NAME(item_d##DIM)(const Args *a, int b, int kh) { \
-        DH_NAME(decode_head)(a, b, kh, DIM, a->heads / a->kv_heads);        \
+#define DH_RUN_ITEM(DIM, GR)                                                          \
+    DH_ATTR static void DH_NAME(run_d##DIM##_g##GR)(const Args *a, int b, int kh0,    \
+                                                     int nkv) {                       \
+        if (nkv == 4) DH_NAME(decode_run)(a, b, kh0, 4, DIM, GR);                     \
+        else DH_NAME(decode_run)(a, b, kh0, 2, DIM, GR); /* run_span: 2 or 4 */       \
     }
+#define DH_GENERIC_G(DIM)                                                              \
+    DH_ATTR static void DH_NAME(item_d##DIM)(const Args *a, int b, int kh0, int nkv) { \
+        (void)nkv;                                                                     \
+        DH_NAME(decode_head)(a, b, kh0, DIM, a->heads / a->kv_heads);                  \
+    }
+#define DH_SPECIALISE(DIM) DH_ITEM(DIM, 1) DH_ITEM(DIM, 2) DH_ITEM(DIM, 4) DH_GENERIC_G(DIM)
+#define DH_RUNS(DIM) DH_RUN_ITEM(DIM, 1) DH_RUN_ITEM(DIM, 2) DH_RUN_ITEM(DIM, 4)
 DH_SPECIALISE(16)
 DH_SPECIALISE(32)
 DH_SPECIALISE(64)
 DH_SPECIALISE(128)
+DH_RUNS(64)
+DH_RUNS(128)
 #undef DH_SPECIALISE
+#undef DH_RUNS
+#undef DH_GENERIC_G
 #undef DH_ITEM
+#undef DH_RUN_ITEM
 
-DH_ATTR static void DH_NAME(item_dany)(const Args *a, int b, int kh) {
-    DH_NAME(decode_head)(a, b, kh, a->head_dim, a->heads / a->kv_heads);
+DH_ATTR static void DH_NAME(item_dany)(const Args *a, int b, int kh0, int nkv) {
+    (void)nkv;
+    DH_NAME(decode_head)(a, b, kh0, a->head_dim, a->heads / a->kv_heads);
 }
 
-/* The copy for this head dim and group size (other group sizes: G read at run time). */
-#define DH_PICK(DIM)                                                \
-    switch (a->heads / a->kv_heads) {                               \
-        case 1: return run_items(a, DH_NAME(item_d##DIM##_g1));     \
-        case 2: return run_items(a, DH_NAME(item_d##DIM##_g2));     \
-        case 4: return run_items(a, DH_NAME(item_d##DIM##_g4));     \
-        default: return run_items(a, DH_NAME(item_d##DIM));         \
+/* The copy for this head dim and group size (other group sizes: G read at run time), one kv
+ * head per item; DH_PICK_RUNS takes runs of kv heads where run_span allows. */
+#define DH_PICK(DIM)                                                       \
+    switch (a->heads / a->kv_heads) {                                      \
+        case 1: return run_items(a, DH_NAME(item_d##DIM##_g1), 1);         \
+        case 2: return run_items(a, DH_NAME(item_d##DIM##_g2), 1);         \
+        case 4: return run_items(a, DH_NAME(item_d##DIM##_g4), 1);         \
+        default: return run_items(a, DH_NAME(item_d##DIM), 1);             \
     }
+#define DH_PICK_RUNS(DIM)                                                  \
+    if (run_span(a) > 1) switch (a->heads / a->kv_heads) {                 \
+            case 1: return run_items(a, DH_NAME(run_d##DIM##_g1), run_span(a)); \
+            case 2: return run_items(a, DH_NAME(run_d##DIM##_g2), run_span(a)); \
+            case 4: return run_items(a, DH_NAME(run_d##DIM##_g4), run_span(a)); \
+            default: break;                                                \
+        }                                                                  \
+    DH_PICK(DIM)
 
 /* The variant's entry point: 16, 32, 64 and 128 have their own copies, others the generic. */
 int DH_NAME(decode)(const Args *a) {
     switch (a->head_dim) {
         case 16: DH_PICK(16)
         case 32: DH_PICK(32)
-        case 64: DH_PICK(64)
-        case 128: DH_PICK(128)
-        default: return run_items(a, DH_NAME(item_dany));
+        case 64: DH_PICK_RUNS(64)
+        case 128: DH_PICK_RUNS(128)
+        default: return run_items(a, DH_NAME(item_dany), 1);
     }
 }
+#undef DH_PICK_RUNS
 #undef DH_PICK
 
 #undef DH_NAME

@@ -206,6 +206,8 @@ DECODE_CASES = [
     decode_case((33, 64, 5), block_size=32, group=2, strided_query=True),
     decode_case((33, 64, 5), block_size=32, group=3, num_kv_heads=1),
     decode_case((100, 9), block_size=8, group=2, head_dim=16),
+    # head_dim 64, 4 kv heads: the CPU kernel's items take a run of kv heads (csrc's run_span)
+    decode_case((37, 1, 70), block_size=16, group=2, num_kv_heads=4, head_dim=64),
 ]
 PREFILL_CASES = [
     Case(seq_lens=(37, 20, 70), query_lens=(37, 20, 23), block_size=16, group=1),  # fresh + hit

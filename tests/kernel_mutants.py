@@ -251,6 +251,10 @@ CPU_MUTANTS: tuple[CpuKernelMutant, ...] = (
         "cpu_decode_gqa_wrong_kv_head",
         "query head h reads KV head h % num_kv_heads instead of h // (H // KVH)",
     ),
+    CpuKernelMutant(
+        "cpu_decode_run_first_kv_head",
+        "an item's run of kv heads scores every head against the run's first kv head's K",
+    ),
 )
 
 BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (

@@ -91,6 +91,31 @@ def test_every_head_dim_specialisation(head_dim: int, group: int, isa: str) -> N
     assert_close(run_decode(t, paged_decode_attention_cpu, isa=isa), ref_decode(t))
 
 
+@each_level
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(4, 64), (2, 64), (8, 128)])
+def test_a_run_of_kv_heads_gives_each_heads_own_bits(
+    kv_heads: int, head_dim: int, dtype: torch.dtype, isa: str
+) -> None:
+    # With head_dim 64 or 128 one item takes a run of 4 or 2 kv heads (csrc's run_span); a
+    # call over one kv head runs it alone. Each head's output must be the same bits either
+    # way: the run changes the order memory is read in, never the arithmetic.
+    case = decode_case((45, 3, 16, 17, 70), head_dim=head_dim, group=2, num_kv_heads=kv_heads)
+    t = make_tensors(replace(case, dtype=dtype), CPU)
+    whole = run_decode(t, paged_decode_attention_cpu, isa=isa)
+    for kh in range(kv_heads):
+        alone = paged_decode_attention_cpu(
+            t.query[:, 2 * kh : 2 * kh + 2].contiguous(),
+            t.k_cache[:, :, kh : kh + 1].contiguous(),
+            t.v_cache[:, :, kh : kh + 1].contiguous(),
+            t.block_tables,
+            t.seq_lens,
+            t.scale,
+            isa=isa,
+        )
+        assert torch.equal(alone, whole[:, 2 * kh : 2 * kh + 2]), f"kv head {kh} differs"
+
+
 @st.composite
 def cpu_cases(draw: st.DrawFn) -> Case:
     batch = draw(st.integers(1, 5))

@@ -14,7 +14,8 @@ makes every choice of compiled copy (``paged_decode_cpu_choice``: the bfloat16 v
 the instruction-set level), from what the module runs (``bf16_variants``, ``isa_levels``)
 and what the platform layer allows.
 
-Threads: a call's (sequence, KV head) items run on up to ``DecodeLaunch.num_threads``
+Threads: a call's items (a sequence and its KV heads where head_dim is 64 or 128 and there
+are 2 or 4 of them, else a sequence and one KV head) run on up to ``DecodeLaunch.num_threads``
 threads (OpenMP, torch's own runtime; ``torch.get_num_threads()`` when the launch is
 checked, so once per step in the "cpu" backend), claimed one at a time, longest context
 first, so a thread that loses its core holds back one item only. Each item is computed by
@@ -122,8 +123,8 @@ class DecodeLaunch:
     """The C variant code for bfloat16 (``paged_decode_cpu_choice.BF16_VARIANTS``), None
     for float32."""
     num_threads: int = 1
-    """The most threads a call may use over its (sequence, KV head) items: 1 runs no
-    parallel region at all; fewer are used when there are fewer items."""
+    """The most threads a call may use over its items (a sequence and a run of its KV
+    heads): 1 runs no parallel region at all; fewer are used when there are fewer items."""
     isa: int = 0
     """The instruction-set level's code (``cpu_library.ISA_CODES``) of the copy that runs."""
 
