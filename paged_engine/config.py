@@ -27,6 +27,8 @@ imports it; the engine depends on its configuration, never the other way)."""
 
 CPU_MAX_NUM_BATCHED_TOKENS = 1024
 """``EngineConfig.max_num_batched_tokens``' default on CPU (see there)."""
+EXECUTOR_BACKENDS = ("mp", "ray")
+"""``EngineConfig.distributed_executor_backend``'s values."""
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 """``EngineConfig.max_num_batched_tokens``' default on CUDA."""
 
@@ -130,6 +132,10 @@ class EngineConfig:
     """Ranks the model is sharded over (vLLM's name): rank 0 in this process, the others in
     spawned workers, one device each (``worker/tp_worker.py``). The model's heads, KV
     heads, intermediate size and vocabulary must divide (checked before any worker starts)."""
+    distributed_executor_backend: str = "mp"
+    """vLLM's name: what runs ranks 1..N-1. "mp": processes spawned on this machine
+    (``worker/tp_worker.py``); "ray": Ray actors placed by a placement group, on any node
+    of the cluster (``worker/ray_executor.py``, extra ``paged_engine[ray]``)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -174,6 +180,11 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
         _positive_int("max_n", self.max_n)
         m = self.max_logprobs
         if not isinstance(m, int) or isinstance(m, bool) or m < -1:

@@ -54,6 +54,11 @@ VLLM_ONLY: dict[str, tuple[tuple[object, ...], str]] = {
         "only local directories and .gguf files load, and they have no revisions "
         "(nothing is downloaded): use None",
     ),
+    "runner": (
+        ("auto", "generate", "pooling"),
+        "the one runner generates and pools (LLM.generate/chat and LLM.embed/encode/score "
+        "work on any model): use 'auto', 'generate' or 'pooling'",
+    ),
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype: use 'auto'"),
     "load_format": (
         ("auto", "safetensors", "gguf"),
@@ -99,7 +104,8 @@ class EngineArgs:
     ``pipeline_parallel_size`` (1), ``enable_chunked_prefill`` (None or True: prompts
     are always chunked), ``revision`` (None), ``kv_cache_dtype`` ("auto"),
     ``load_format`` ("auto", "safetensors" for a Hugging Face directory, "gguf" for a
-    .gguf file), ``trust_remote_code`` (False), ``quantization`` (None);
+    .gguf file), ``trust_remote_code`` (False), ``quantization`` (None), ``runner``
+    ("auto", "generate", "pooling": one runner does both);
     ``disable_log_stats`` is accepted and changes nothing (the offline engine logs no
     periodic stats; ``last_run_stats`` is kept either way), ``swap_space`` (GiB) is
     accepted and ignored with a log line, as vLLM V1 ignores it: a preempted sequence is
@@ -124,6 +130,7 @@ class EngineArgs:
     dtype: str = _default("dtype")
     seed: int | None = _default("seed")
     tensor_parallel_size: int = _default("tensor_parallel_size")
+    distributed_executor_backend: str = _default("distributed_executor_backend")
     enforce_eager: bool = _default("enforce_eager")
     attention_backend: str = _default("attention_backend")
     device: str = _default("device")
@@ -140,16 +147,23 @@ class EngineArgs:
     trust_remote_code: bool = False
     quantization: str | None = None
     swap_space: float | None = None
+    runner: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """vLLM's: ``--model``, ``--tokenizer`` and the engine flags the CLI's commands
-        share (``entrypoints/cli_args.py``, vLLM's flag names), added to ``parser``."""
+        share (``entrypoints/cli_args.py``, vLLM's flag names), added to ``parser``. Every
+        dest is a name ``LLM(...)`` takes, with ``LLM``'s default, so ``LLM(**vars(args))``
+        works; ``--model`` may come from ``parser.set_defaults(model=...)``."""
         from paged_engine.entrypoints.cli_args import add_engine_args
 
-        parser.add_argument("--model", required=True, help="a model directory or .gguf file")
+        parser.add_argument("--model", default=None, help="a model directory or .gguf file")
         parser.add_argument("--tokenizer", default=None, help="another tokenizer directory")
+        parser.add_argument(
+            "--runner", default="auto", help="vLLM's: auto, generate or pooling (one runner)"
+        )
         add_engine_args(parser)
+        parser.set_defaults(num_threads=default_num_threads(), cpu_bind=default_cpu_bind())
         return parser
 
     @classmethod
@@ -157,7 +171,8 @@ class EngineArgs:
         """vLLM's: the arguments ``add_cli_args``' flags parsed into ``args``."""
         from paged_engine.entrypoints.cli_args import engine_fields
 
-        return engine_args_from_kwargs(args.model, args.tokenizer, engine_fields(args))
+        fields = engine_fields(args) | {"runner": getattr(args, "runner", "auto")}
+        return engine_args_from_kwargs(args.model, args.tokenizer, fields)
 
     def create_engine_config(self) -> EngineConfig:
         """The ``EngineConfig`` these arguments ask for (``max_model_len`` as given: the
@@ -221,6 +236,8 @@ def engine_args_from_kwargs(
     """``LLM(model, tokenizer=..., **kwargs)``'s arguments as ``EngineArgs``: vLLM's names
     or the engine's (``ENGINE_ALIASES``), not both; an unknown name is a TypeError listing
     the known ones."""
+    if not isinstance(model, str | Path) or not str(model):
+        raise ValueError(f"model must be a model directory or .gguf file (--model), got {model!r}")
     values: dict[str, Any] = {}
     for key, value in kwargs.items():
         name = ENGINE_ALIASES.get(key, key)

@@ -161,6 +161,10 @@ class LLMEngine(CoreEngine):
         eos = files.eos_token_ids
         if config.tensor_parallel_size == 1:
             runner = ModelRunner(model_config, config, eos_token_ids=eos or ())
+        elif config.distributed_executor_backend == "ray":
+            from paged_engine.worker.ray_executor import start_ray_tensor_parallel
+
+            runner = start_ray_tensor_parallel(model_config, config, eos_token_ids=eos or ())
         else:
             from paged_engine.worker.tp_worker import start_tensor_parallel
 

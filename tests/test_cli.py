@@ -213,6 +213,7 @@ ENGINE_DEFAULTS = {
     "--seed": "0",
     "--threads": "auto",
     "--tensor-parallel-size": "1",
+    "--distributed-executor-backend": "mp",
     "--enforce-eager": "False",
 }
 HELP_DEFAULTS = {

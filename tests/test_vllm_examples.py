@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +50,8 @@ def generate_main(args: dict[str, Any]) -> list[tuple[str, str]]:
     temperature = args.pop("temperature")
     top_p = args.pop("top_p")
     top_k = args.pop("top_k")
-    # vLLM's parser stores the flags under EngineArgs' names, so it calls LLM(**args); this
-    # CLI's flags have their own dests, so the port goes through from_cli_args
-    llm = LLM(**asdict(EngineArgs.from_cli_args(argparse.Namespace(**args))))
+    # as vLLM's: every dest add_cli_args makes is an LLM argument
+    llm = LLM(**args)
     sampling_params = llm.get_default_sampling_params()
     if max_tokens is not None:
         sampling_params.max_tokens = max_tokens

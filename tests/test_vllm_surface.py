@@ -136,6 +136,7 @@ def test_every_config_field_is_reachable_under_vllms_name() -> None:
         attention_backend="torch", dtype="float32", device="cpu", kv_cache_memory=1 << 20,
         gpu_memory_utilization=0.5, enforce_eager=True, seed=7, num_threads=None, max_n=4,
         max_logprobs=5, tensor_parallel_size=2, mixed_steps=True, cpu_bind="auto",
+        distributed_executor_backend="ray",
     )  # fmt: skip
     assert set(changed) == {f.name for f in fields(EngineConfig)}
     assert all(changed[k] != getattr(EngineConfig(), k) for k in changed)
@@ -160,6 +161,9 @@ ACCEPTED: list[tuple[str, object]] = [
     ("swap_space", 0),
     ("max_logprobs", -1),
     ("seed", None),
+    ("runner", "auto"),
+    ("runner", "generate"),
+    ("runner", "pooling"),
 ]
 REFUSED: list[tuple[str, object, str]] = [
     ("pipeline_parallel_size", 2, "pipeline parallelism is not supported"),
@@ -176,6 +180,8 @@ REFUSED: list[tuple[str, object, str]] = [
     ("swap_space", "4GiB", "a number of GiB >= 0"),
     ("max_logprobs", -2, "must be an int >= 0, or -1"),
     ("max_logprobs", 2.5, "must be an int"),
+    ("runner", "draft", "use 'auto', 'generate' or 'pooling'"),
+    ("runner", "embed", "the one runner generates and pools"),
 ]
 
 

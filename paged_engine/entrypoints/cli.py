@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens each")
     add_engine_args(p)
     # A pool of 160 blocks is tight for 32 requests, so preemption shows up in the figures.
-    p.set_defaults(fn=cmd_demo, parser=p, num_kv_blocks=160, max_model_len=1024)
+    p.set_defaults(fn=cmd_demo, parser=p, num_gpu_blocks_override=160, max_model_len=1024)
 
     add_serve_parser(sub)
     return parser

@@ -38,10 +38,17 @@ ENGINE_FLAGS: dict[str, str] = {
     "num_threads": "--threads",
     "cpu_bind": "--cpu-bind",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "distributed_executor_backend": "--distributed-executor-backend",
     "enforce_eager": "--enforce-eager",
 }
 """The flag of each EngineConfig field the CLI sets (its argparse dest is the flag's name
-in snake case); errors name the flag."""
+in snake case, or ``ENGINE_DESTS``'); errors name the flag."""
+ENGINE_DESTS: dict[str, str] = {
+    "num_kvcache_blocks": "num_gpu_blocks_override",
+    "num_threads": "num_threads",
+}
+"""Dests that differ from the flag's name: each is a name ``LLM(...)`` accepts, so a vLLM
+script's ``LLM(**vars(args))`` takes what ``EngineArgs.add_cli_args`` parsed."""
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "ignore_eos")
 FLAGS = ENGINE_FLAGS | {f: "--" + f.replace("_", "-") for f in SAMPLING_FIELDS}
 """Every field the CLI sets, to its flag."""
@@ -66,12 +73,12 @@ def flag_message(error: BaseException | str) -> str:
 
 
 NONE_MEANS: dict[str, str] = {
-    "num_kv_blocks": "auto: from --kv-cache-memory",
+    "num_gpu_blocks_override": "auto: from --kv-cache-memory",
     "kv_cache_memory": "auto: --max-num-seqs sequences of --max-model-len tokens, at most "
     "half the available memory",
     "max_num_batched_tokens": "per device: 1024 on CPU, 8192 on CUDA",
     "max_model_len": "4096, capped at the model's max_position_embeddings",
-    "threads": f"auto, {default_num_threads()} here: the physical cores this process may "
+    "num_threads": f"auto, {default_num_threads()} here: the physical cores this process may "
     "use but one when OpenMP waits passively, else 1",
     "cpu_bind": f"$PAGED_ENGINE_CPU_BIND, else $VLLM_CPU_OMP_THREADS_BIND, else {CPU_BIND}",
     "top_k": "None: every token",
@@ -101,7 +108,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add(
         "--num-kv-blocks",
         "--num-gpu-blocks-override",
-        dest="num_kv_blocks",
+        dest="num_gpu_blocks_override",
         type=int,
         metavar="N",
         help="KV pool size in blocks, overrides --kv-cache-memory",
@@ -172,7 +179,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="seeds the engine; in generate also every request, so a prompt samples the "
         "same tokens whatever else is in the batch",
     )
-    add("--threads", type=int, metavar="N", help="torch CPU threads (process-wide)")
+    add(
+        "--threads",
+        dest="num_threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (process-wide)",
+    )
     add(
         "--cpu-bind",
         metavar="CPUS",
@@ -188,17 +201,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="shard the model over N ranks (N - 1 worker processes), one device each",
     )
     add(
+        "--distributed-executor-backend",
+        default="mp",
+        metavar="NAME",
+        help="what runs ranks 1..N-1: mp (spawned processes, the default) or ray (Ray "
+        "actors on the cluster that ray.init() finds; extra paged_engine[ray])",
+    )
+    add(
         "--enforce-eager",
         action="store_true",
         help="run decode eagerly instead of replaying CUDA graphs (CUDA only; eager elsewhere)",
     )
 
 
+def dest(field: str) -> str:
+    """The argparse dest of ``EngineConfig`` field ``field``'s flag."""
+    return ENGINE_DESTS.get(field, ENGINE_FLAGS[field][2:].replace("-", "_"))
+
+
 def engine_fields(a: argparse.Namespace) -> dict[str, Any]:
     """``EngineConfig`` keyword arguments from the flags; ``max_model_len`` and
     ``num_threads`` and ``cpu_bind`` only when given, so that ``LLM`` applies its
     defaults."""
-    values = {f: getattr(a, flag[2:].replace("-", "_")) for f, flag in ENGINE_FLAGS.items()}
+    values = {f: getattr(a, dest(f)) for f in ENGINE_FLAGS}
     return {
         f: v
         for f, v in values.items()

@@ -6,6 +6,8 @@ collectives on.
 All ranks run on this machine: rank 0 in the caller's process, ranks 1..N-1 in workers it
 spawns (``tp_worker.py``). They meet at a ``TCPStore`` that rank 0 opens on a free
 loopback port (port 0: the kernel picks one, so two engines never race for a port).
+With Ray (``ray_executor.py``) ranks 1..N-1 are actors, possibly on other nodes: the store
+listens on every interface and they connect to rank 0's node address.
 
 **The collective timeout** (``collective_timeout_s``: ``DEFAULT_COLLECTIVE_TIMEOUT_S``,
 or the ``PAGED_ENGINE_TP_TIMEOUT_S`` environment variable) bounds how long a rank waits
@@ -84,10 +86,11 @@ def open_store(world_size: int, timeout_s: float) -> Any:
     )
 
 
-def connect_store(port: int, world_size: int, timeout_s: float) -> Any:
-    """A worker's connection to rank 0's store."""
+def connect_store(port: int, world_size: int, timeout_s: float, host: str = "127.0.0.1") -> Any:
+    """A worker's connection to rank 0's store at ``host`` (the store listens on every
+    interface: a worker on another node gives rank 0's node address)."""
     return TCPStore(
-        "127.0.0.1",
+        host,
         port,
         world_size,
         is_master=False,

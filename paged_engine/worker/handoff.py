@@ -20,8 +20,9 @@ workers:
 * ``BroadcastChannel``: ``torch.distributed.broadcast_object_list``, the alternative it is
   measured against. An idle worker waits inside a collective, so it is bound by the
   process group's timeout (``distributed.collective_timeout_s``, a minute by default):
-  an engine left idle longer loses its workers. A benchmark alternative; ``LLM`` uses
-  the shared memory.
+  an engine left idle longer loses its workers (unless it is given ``idle_timeout_s``).
+  ``LLM`` uses the shared memory, and this channel only for Ray actors on other nodes
+  than rank 0's (``ray_executor.py``), where no memory is shared.
 
 ``bench/test_tp_bench.py`` measures both in the engine's step, ``bench/test_tp_costs_bench.py``
 alone; the shared-memory channel is kept (figures there and in docs/performance.md,
@@ -34,6 +35,7 @@ import contextlib
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, cast
 
@@ -189,14 +191,31 @@ class ShmReader:
 
 
 class BroadcastChannel:
-    """Both sides of the ``broadcast_object_list`` hand-off."""
+    """Both sides of the ``broadcast_object_list`` hand-off.
+
+    ``idle_timeout_s``: broadcast on a gloo group of its own with this timeout, made at
+    the first message (every rank makes it there, in the same order), so that an idle
+    worker's wait is bound by it rather than by the collective timeout. Ray's
+    hand-off across nodes needs it: an engine left idle for a minute would otherwise
+    lose its workers. None: the default group (the benchmark alternative)."""
+
+    def __init__(self, idle_timeout_s: float | None = None) -> None:
+        self.idle_timeout_s = idle_timeout_s
+        self._group: Any = None
+
+    def _group_for_messages(self) -> Any:
+        if self.idle_timeout_s is not None and self._group is None:
+            timeout = timedelta(seconds=self.idle_timeout_s)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        return self._group
 
     def send(self, message: Message) -> None:
-        dist.broadcast_object_list([message], src=0)  # pickles ``message`` once, itself
+        # pickles ``message`` once, itself
+        dist.broadcast_object_list([message], src=0, group=self._group_for_messages())
 
     def receive(self) -> Message:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._group_for_messages())
         return box[0]  # type: ignore[no-any-return]
 
     def close(self) -> None:

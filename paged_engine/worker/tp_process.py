@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,14 @@ from paged_engine.worker import distributed as tpd
 from paged_engine.worker.handoff import BroadcastChannel, ShmReader
 from paged_engine.worker.model_runner import ModelRunner
 
-__all__ = ["STARTUP_TIMEOUT_S", "WorkerError", "WorkerProcess", "WorkerSpec", "worker_main"]
+__all__ = [
+    "STARTUP_TIMEOUT_S",
+    "WorkerError",
+    "WorkerProcess",
+    "WorkerSpec",
+    "run_rank",
+    "worker_main",
+]
 
 STARTUP_TIMEOUT_S = 600.0
 """The longest a worker may stay silent while it starts (spawn, imports, its runner and
@@ -53,29 +61,23 @@ class WorkerSpec:
     """The shared-memory segment's name; None for the broadcast hand-off."""
     timeout_s: float
     """The collective timeout, rank 0's (``distributed.collective_timeout_s``)."""
+    store_host: str = "127.0.0.1"
+    """Where rank 0's store is: loopback for spawned workers, rank 0's node address for
+    Ray actors (``ray_executor.py``), which may run on another node."""
 
 
 def worker_main(rank: int, spec: WorkerSpec, signal_: Any, conn: Any) -> None:
-    """Rank ``rank``: join the group, build the runner, run steps until told to exit."""
+    """Rank ``rank`` in a spawned process: ``run_rank``, its reports on ``conn``, and on
+    a failure its traceback there and an immediate exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     parent = mp.parent_process()
     try:
         conn.send(("started", os.getpid()))
-        world = spec.config.tensor_parallel_size
-        if spec.backend == "nccl":
-            torch.cuda.set_device(rank)
-        store = tpd.connect_store(spec.store_port, world, spec.timeout_s)
-        tp = tpd.join_group(rank, world, store, spec.backend, spec.timeout_s)
-        runner = ModelRunner(spec.model, spec.config, tp=tp)
-        conn.send(("ready", runner.num_kvcache_blocks))
         alive = parent.is_alive if parent is not None else (lambda: True)
         channel = (
             BroadcastChannel() if spec.segment is None else ShmReader(spec.segment, signal_, alive)
         )
-        while (message := channel.receive()) is not None:
-            runner.run_worker(message.restore(), message.is_prefill)
-        channel.close()
-        tpd.leave_group()
+        run_rank(rank, spec, channel, conn.send)
     except BaseException:
         with suppress(Exception):
             # the tail only: a pipe holds 64 KiB, and rank 0 may not be reading yet
@@ -86,6 +88,25 @@ def worker_main(rank: int, spec: WorkerSpec, signal_: Any, conn: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_rank(
+    rank: int, spec: WorkerSpec, channel: Any, report: Callable[[tuple[str, Any]], None]
+) -> None:
+    """A worker rank's life, whatever runs it (a spawned process, a Ray actor): join the
+    group, build the runner, ``report(("ready", num_blocks))``, run the steps ``channel``
+    hands over until told to exit. Raises on a failure; the caller reports it."""
+    world = spec.config.tensor_parallel_size
+    if spec.backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = tpd.connect_store(spec.store_port, world, spec.timeout_s, spec.store_host)
+    tp = tpd.join_group(rank, world, store, spec.backend, spec.timeout_s)
+    runner = ModelRunner(spec.model, spec.config, tp=tp)
+    report(("ready", runner.num_kvcache_blocks))
+    while (message := channel.receive()) is not None:
+        runner.run_worker(message.restore(), message.is_prefill)
+    channel.close()
+    tpd.leave_group()
 
 
 class WorkerProcess:

@@ -53,7 +53,13 @@ from paged_engine.worker.handoff import BroadcastChannel, ShmChannel, StepMessag
 from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.worker.tp_process import WorkerError, WorkerProcess, WorkerSpec, worker_main
 
-__all__ = ["SHUTDOWN_NOTE", "WorkerGroup", "add_note", "start_tensor_parallel"]
+__all__ = [
+    "SHUTDOWN_NOTE",
+    "WorkerGroup",
+    "add_note",
+    "attach_runner",
+    "start_tensor_parallel",
+]
 
 T = TypeVar("T")
 logger = logging.getLogger("paged_engine")
@@ -85,6 +91,8 @@ def add_note(err: BaseException, note: str) -> None:
 
 class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1 (see the module docstring)."""
+
+    report_grace_s = REPORT_GRACE_S
 
     def __init__(
         self, model: ModelConfig, config: EngineConfig, device: torch.device, transport: str
@@ -144,7 +152,7 @@ class WorkerGroup:
             raise self.fail(err)  # noqa: B904 - err itself, or its wrapper
 
     def _failures(self) -> list[str]:
-        deadline = time.monotonic() + REPORT_GRACE_S
+        deadline = time.monotonic() + self.report_grace_s
         while True:
             found = [d for w in self.workers if (d := w.describe())]
             if found or time.monotonic() > deadline:
@@ -255,6 +263,14 @@ def start_tensor_parallel(
         raise ValueError(f"tensor_parallel_size={n}: a tensor-parallel group needs 2 or more")
     check_divisible(model.hf_config, n)
     group = WorkerGroup(model, config, resolve_tp_device(config.device, n), transport)
+    return attach_runner(group, model, config, eos_token_ids)
+
+
+def attach_runner(
+    group: WorkerGroup, model: ModelConfig, config: EngineConfig, eos_token_ids: SequenceABC[int]
+) -> ModelRunner:
+    """Rank 0's runner, built once ``group``'s workers have joined, with the group behind
+    it (whatever started the workers: this module, or ``ray_executor.py``)."""
     try:
         runner = ModelRunner(model, config, tp=group.tp, eos_token_ids=eos_token_ids)
     except BaseException as err:
