@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, cast
 
 from paged_engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from paged_engine.chat_messages import template_messages
 from paged_engine.engine.request import RequestOutput
 from paged_engine.engine.stats import RunStats
 from paged_engine.engine_args import engine_args_from_kwargs
@@ -175,9 +176,12 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         lora_request: object = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Complete one conversation (a list of ``{"role", "content"}`` messages) or a list
-        of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
+        of them, rendered with the tokenizer's chat template (or ``chat_template``), which
+        is shown ``tools`` (OpenAI's function tool objects), as vLLM's. Messages go
+        through ``chat_messages.template_message`` (vLLM's ``reasoning`` fields)."""
         refuse_lora(lora_request)
         tok = self.tokenizer
         if tok is None:
@@ -188,13 +192,21 @@ class LLM:
             )
         if not isinstance(messages, list | tuple) or not messages:
             raise TypeError("messages must be a non-empty list of messages or of conversations")
+        if tools is not None and (
+            not isinstance(tools, list | tuple) or not all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise TypeError(f"tools must be a list of tool dicts, got {tools!r}")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
-        prompts = []
+        rendered_convs = []
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list | tuple) or not all(isinstance(m, Mapping) for m in conv):
                 raise TypeError(f"conversation {i} must be a list of message dicts")
+            rendered_convs.append(template_messages(list(conv)))
+        prompts = []
+        for conv in rendered_convs:
             rendered = tok.apply_chat_template(
-                list(conv),
+                conv,
+                tools=list(tools) if tools is not None else None,
                 tokenize=True,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,

@@ -19,6 +19,8 @@ from typing import Any
 from paged_engine import sampling_checks as check
 from paged_engine import structured_outputs as structured
 from paged_engine.errors import InvalidRequestError, InvalidRequestTypeError
+from paged_engine.structured_outputs import GuidedDecodingParams as GuidedDecodingParams
+from paged_engine.structured_outputs import StructuredOutputsParams as StructuredOutputsParams
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy decoding, as in vLLM (``_SAMPLING_EPS = 1e-5``):

@@ -140,15 +140,8 @@ class EmbeddingRoutes:
                 param="dimensions",
             )
         inputs = request_inputs(body)
-        ids = await self._tokenized(inputs)
-        try:
-            vectors = await self._pooled(ids, PoolingParams())
-        except EngineUnavailable as e:
-            raise RequestError(str(e), status=503) from None
-        except PoolBusy as e:
-            raise RequestError(f"{e}: try again shortly", status=503) from None
-        except (ValueError, TypeError) as e:
-            raise RequestError(str(e), param="input", code="invalid_value") from None
+        ids = await self.tokenized(inputs)
+        vectors = await self.embed_ids(ids, param="input")
         data = [
             EmbeddingData(index=i, embedding=encoded(v, body.encoding_format))
             for i, v in enumerate(vectors)
@@ -163,6 +156,19 @@ class EmbeddingRoutes:
         )
         return JSONResponse(response.model_dump())
 
+    async def embed_ids(self, ids: list[list[int]], *, param: str) -> list[np.ndarray]:
+        """Each prompt's embedding (last token, normalised), the engine's refusals as the
+        HTTP errors a route answers: 503 while the engine is down or the pool is busy,
+        400 naming ``param`` for an input the engine refuses."""
+        try:
+            return await self._pooled(ids, PoolingParams())
+        except EngineUnavailable as e:
+            raise RequestError(str(e), status=503) from None
+        except PoolBusy as e:
+            raise RequestError(f"{e}: try again shortly", status=503) from None
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e), param=param, code="invalid_value") from None
+
     async def _pooled(self, ids: list[list[int]], params: PoolingParams) -> list[np.ndarray]:
         """Every input checked (one call), then each pooled (one call each), in this
         process's engine thread or, by name, in an engine core's (``core_calls``)."""
@@ -176,7 +182,7 @@ class EmbeddingRoutes:
         raw = [await loop.call_core("pool", one, *fields) for one in ids]
         return [np.frombuffer(r, dtype="<f4") for r in raw]
 
-    async def _tokenized(self, inputs: list[str | list[int]]) -> list[list[int]]:
+    async def tokenized(self, inputs: list[str | list[int]]) -> list[list[int]]:
         """Each input's token ids: texts checked for length, then encoded on the pool."""
         for i, x in enumerate(inputs):
             if isinstance(x, str) and len(x) > self.max_prompt_chars:

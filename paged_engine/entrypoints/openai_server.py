@@ -64,6 +64,7 @@ from paged_engine.entrypoints.protocol import (
     ModelCard,
     ModelList,
 )
+from paged_engine.entrypoints.score_routes import register_score
 from paged_engine.entrypoints.serving import RequestError, validation_error
 from paged_engine.entrypoints.settings import ServerSettings
 from paged_engine.entrypoints.streaming import (
@@ -192,10 +193,12 @@ class OpenAIServer:
             self.tokenizer, s.served_model_name, self.max_model_len, self.max_prompt_chars,
             s.max_request_body_bytes, s.chat_template, self.has_chat_template, self.tokenize,
         ).register(app)  # fmt: skip
-        EmbeddingRoutes(
+        pooling = EmbeddingRoutes(
             self.loop, self.tokenizer, s.served_model_name, self.max_prompt_chars,
             s.max_request_body_bytes, self.tokenize,
-        ).register(app)  # fmt: skip
+        )  # fmt: skip
+        pooling.register(app)
+        register_score(pooling, app)  # /score, /v1/score: the same pooling, paired
         return app
 
     async def _parse(self, request: Request, model: type[Any]) -> Any:

@@ -213,6 +213,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    """vLLM's: the reasoning a parser split off; none here (always null)."""
     tool_calls: list[dict[str, Any]] | None = None
 
 

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
+from paged_engine.chat_messages import template_message
 from paged_engine.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
 from paged_engine.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -154,11 +155,14 @@ def chat_prompt(
     request's tools go to the template (which shows them to the model) unless its
     ``tool_choice`` is ``"none"``."""
     messages = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             d["content"] = "\n".join(part.text for part in m.content)
-        messages.append(d)
+        try:
+            messages.append(template_message(d, f"messages[{i}]"))
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e), param=f"messages[{i}]") from e
     add_generation_prompt = req.add_generation_prompt
     tools = None if req.tool_choice == "none" else req.tools
 
