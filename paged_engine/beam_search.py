@@ -12,18 +12,23 @@ search counts those hits.
 
 Scoring is vLLM's: a beam's cumulative logprob over its length (prompt included, a final
 EOS excluded) to the power ``length_penalty``. A beam that ends with an EOS id (unless
-``ignore_eos``) leaves the search as completed; after ``max_tokens`` rounds the live and
-completed beams are ranked and the best ``beam_width`` returned, best first, each with
-its text (the decoded completion).
+``ignore_eos``) leaves the search as completed, and so does a beam that reaches
+``max_model_len`` (finish reason ``length``: it has no room for another token); after
+``max_tokens`` rounds, or once no beam is live, the live and completed beams are ranked
+and the best ``beam_width`` returned, best first. As vLLM's ``LLM.beam_search``, each
+one's ``text`` is its whole token list decoded (prompt, completion and a final EOS) with
+``skip_special_tokens``, and its logprobs carry ``decoded_token``s (each token id decoded
+alone, as ``generate``'s logprobs); ``include_stop_str_in_output`` changes neither.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from paged_engine.engine.detokenizer import Detokenizer
 from paged_engine.engine.request import PositionLogprobs, RequestOutput
 from paged_engine.errors import InvalidRequestError
 from paged_engine.sampling_params import SamplingParams
@@ -35,7 +40,9 @@ __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_s
 class BeamSearchParams:
     """vLLM's fields. ``temperature`` is the rounds' sampling temperature (0, the
     default: the most likely token is among the candidates anyway); the candidates are
-    the top ``2 * beam_width`` logprobs, which ``SamplingParams.logprobs`` reports."""
+    the top ``2 * beam_width`` logprobs, which ``SamplingParams.logprobs`` reports, and
+    the sampled token where it is not among them (as vLLM's, whose step reports the
+    same). ``skip_special_tokens`` is for the beams' text."""
 
     beam_width: int
     max_tokens: int
@@ -43,6 +50,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -60,8 +68,8 @@ class BeamSearchParams:
 @dataclass(slots=True)
 class BeamSearchSequence:
     """One beam: ``tokens`` holds the prompt and the chosen tokens (vLLM's layout);
-    ``logprobs`` the top logprobs at each chosen position; ``text`` the completion's
-    text, set when the search returns it."""
+    ``logprobs`` the top logprobs at each chosen position; ``text`` the decoded tokens,
+    set when the search returns it."""
 
     tokens: list[int]
     logprobs: list[PositionLogprobs] = field(default_factory=list)
@@ -93,11 +101,12 @@ def beam_search(
     params: BeamSearchParams,
     *,
     eos_token_ids: Sequence[int],
-    decode: Callable[[list[int]], str] | None,
+    tokenizer: Detokenizer | None,
+    max_model_len: int | None = None,
 ) -> list[BeamSearchOutput]:
     """Search every prompt (text, token ids, a ``TextPrompt`` or ``TokensPrompt``) with
     ``generate`` (``LLM.generate`` without a progress bar); see the module docstring.
-    The beams' logprobs carry no decoded tokens (the rounds do not detokenize)."""
+    The rounds do not detokenize: only the returned beams are decoded, at the end."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     step = SamplingParams(
@@ -132,20 +141,28 @@ def beam_search(
                     )
                     (done[i] if token in eos else grown).append(child)
             grown.sort(key=lambda b: beam_score(b, eos, params.length_penalty), reverse=True)
-            lives[i] = grown[: params.beam_width]
+            lives[i] = []
+            for b in grown[: params.beam_width]:  # a full beam has no room for a token
+                full = max_model_len is not None and len(b.tokens) >= max_model_len
+                (done[i] if full else lives[i]).append(b)
+        if not any(lives):
+            break
     results = []
-    for prompt_beams, completed, out in zip(lives, done, firsts, strict=True):
+    for prompt_beams, completed in zip(lives, done, strict=True):
         ranked = sorted(
             completed + prompt_beams,
             key=lambda b: beam_score(b, eos, params.length_penalty),
             reverse=True,
         )[: params.beam_width]
-        start = len(out.prompt_token_ids)
         for b in ranked:
-            ended = b.tokens[-1] in eos
-            b.finish_reason, b.stop_reason = ("stop", None) if ended else ("length", None)
-            ids = b.tokens[start : len(b.tokens) - (1 if ended else 0)]
-            if decode is not None:
-                b.text = decode(b.tokens[start:] if params.include_stop_str_in_output else ids)
+            b.finish_reason = "stop" if b.tokens[-1] in eos else "length"
+            if tokenizer is not None:
+                b.text = tokenizer.decode(b.tokens, skip_special_tokens=params.skip_special_tokens)
+                b.logprobs = [_decoded(top, tokenizer) for top in b.logprobs]
         results.append(BeamSearchOutput(ranked))
     return results
+
+
+def _decoded(top: PositionLogprobs, tokenizer: Detokenizer) -> PositionLogprobs:
+    """One position's logprobs with each token decoded alone (``generate``'s way)."""
+    return {t: replace(lp, decoded_token=tokenizer.decode([t])) for t, lp in top.items()}

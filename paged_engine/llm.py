@@ -231,17 +231,13 @@ class LLM:
         batch = list(prompts) if isinstance(prompts, list | tuple) else [prompts]
         if batch and all(isinstance(t, int) for t in batch):  # one prompt's token ids
             batch = [batch]
-        tok = self.tokenizer
-
-        def decode(ids: list[int]) -> str:
-            return str(tok.decode(ids, skip_special_tokens=True))
-
         return beam_search(
             lambda ps, sp: self.generate(ps, sp, use_tqdm=use_tqdm),
             batch,
             params,
             eos_token_ids=self.llm_engine.eos_token_ids,
-            decode=None if tok is None else decode,
+            tokenizer=self.tokenizer,
+            max_model_len=self.config.max_model_len,
         )
 
     def embed(
