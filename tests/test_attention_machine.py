@@ -255,10 +255,15 @@ def test_real_cascade_passes_the_same_hunt() -> None:
     assert cascades, "the hunt never reached a cascade decode step: its catches would mean nothing"
 
 
+RUNS = Geometry(num_kv_heads=2, group=2, head_dim=64)
+
+
 @pytest.mark.parametrize("mutant", CPU_MUTANTS, ids=[m.name for m in CPU_MUTANTS])
 def test_machine_catches_cpu_kernel_mutant(mutant: CpuKernelMutant) -> None:
     factory = functools.partial(CpuMutantBackend, mutant)
-    config = MachineConfig(lanes=(Lane(f"mutant-{mutant.name}", factory, FP32),))
+    lanes = (Lane(f"mutant-{mutant.name}", factory, FP32),)
+    # also 2 KV heads of 64, where the kernel's items take a run of KV heads (csrc's run_span)
+    config = MachineConfig(lanes=lanes, geometries=(*MachineConfig(lanes).geometries, RUNS))
     with pytest.raises(AssertionError, match="differs from naive attention"):
         run_state_machine_as_test(make_machine(config), settings=HUNT)
 

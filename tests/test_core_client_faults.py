@@ -12,12 +12,14 @@ made to lose its engine thread, or to send an unreadable message, on demand):
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import threading
 from typing import Any
 
 import pytest
 
+from paged_engine.entrypoints import core_client
 from paged_engine.entrypoints.core_client import CoreClient
 from paged_engine.entrypoints.core_process import CoreSpec
 from paged_engine.sampling_params import SamplingParams
@@ -149,6 +151,8 @@ def test_stop_during_a_restart_ends_the_new_core() -> None:
 def test_a_message_that_cannot_be_handled_is_logged_and_reading_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.ERROR, logger=core_client.log.name)
+    core_client.log.addHandler(caplog.handler)  # whatever an earlier test did to propagation
     bad = ("observe", "no_such_method", ())  # the observer has no such method
     after: Any = object()
     client = FakeCoreClient([[READY, bad, ("snapshot", after), EOFError()]])
@@ -158,6 +162,7 @@ def test_a_message_that_cannot_be_handled_is_logged_and_reading_goes_on(
     reader.join(10)
     assert client.snapshot is after  # the next message was still read
     assert client.deaths == ["the engine core process died (exit code -9)"]
+    core_client.log.removeHandler(caplog.handler)
     assert "could not be handled" in caplog.text
 
 

@@ -76,7 +76,7 @@ class RankActor:
         """This actor's node id, node address and pid."""
         import ray
 
-        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
         return ray.get_runtime_context().get_node_id(), ip, os.getpid()
 
     def run(
