@@ -187,6 +187,22 @@ def test_bad_values_are_refused_with_nothing_started(
     assert cluster.available_resources().get("CPU") == 2.0
 
 
+def test_the_placement_comes_from_the_environment(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
+) -> None:
+    monkeypatch.setenv("PAGED_ENGINE_RAY_PLACEMENT", "spread")
+    with LLM(tiny_model_dir, **RAY) as llm:
+        group = llm.model_runner.workers  # type: ignore[union-attr]
+        table = cluster.util.placement_group_table(group.placement_group)
+        assert table["strategy"] == "SPREAD", table
+    released(cluster, group)
+    groups = cluster.util.placement_group_table()
+    monkeypatch.setenv("PAGED_ENGINE_RAY_PLACEMENT", "ANYWHERE")
+    with pytest.raises(ValueError, match=r"\$PAGED_ENGINE_RAY_PLACEMENT must be one of"):
+        LLM(tiny_model_dir, **RAY)
+    assert cluster.util.placement_group_table() == groups  # nothing placed
+
+
 def test_the_cli_flag() -> None:
     import argparse
 

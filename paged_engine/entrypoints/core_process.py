@@ -52,6 +52,7 @@ from paged_engine.entrypoints.core_wire import encode
 from paged_engine.entrypoints.engine_loop import EngineLoop, _Add
 from paged_engine.entrypoints.loop_types import EngineCall, EngineSnapshot
 from paged_engine.entrypoints.routes import Batch
+from paged_engine.ray_support import end_ray
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ def core_main(spec: CoreSpec, conn: Any) -> None:
     finally:
         stopped = loop.stop(10.0)
         engine.close()
+        end_ray()  # a local Ray its tensor-parallel ranks started (os._exit skips Ray's)
         conn.close()
         logging.shutdown()
         os._exit(0 if stopped else 1)

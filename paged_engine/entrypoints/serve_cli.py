@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from paged_engine.entrypoints.cli_args import HelpFormatter, add_engine_args, positive
+from paged_engine.entrypoints.dp_args import add_dp_args, check_dp_args
 from paged_engine.entrypoints.settings import (
     API_KEY_ENV,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     TOOL_CALL_PARSERS,
     ServerSettings,
-    dp_authkey,
 )
+from paged_engine.ray_support import end_ray
 
 SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 """What ``pip install 'paged_engine[server]'`` brings (pydantic comes with fastapi)."""
@@ -98,38 +99,7 @@ def add_serve_parser(sub: Any) -> None:
         help="where the engine steps: a process of its own (HTTP, tokenizing and streaming "
         "do not share its GIL) or a thread of the server's process",
     )
-    add(
-        "--data-parallel-size",
-        type=positive,
-        default=1,
-        metavar="N",
-        help="engine core processes, each with its own KV pool and prefix cache; requests "
-        "go to the one holding the longest prefix of their blocks, balanced against load",
-    )
-    add(
-        "--data-parallel-size-local",
-        type=int,
-        default=None,
-        metavar="L",
-        help="of the N replicas, those this node runs; the head listens for the other N - L, "
-        "started on other hosts with --headless (shared key: $PAGED_ENGINE_DP_AUTHKEY)",
-    )
-    dp_help = "the head's address, where it listens for remote replicas and they connect"
-    add("--data-parallel-address", default="127.0.0.1", metavar="HOST", help=dp_help)
-    add("--data-parallel-rpc-port", type=int, default=29550, metavar="PORT", help="its port")
-    add(
-        "--data-parallel-connect-timeout",
-        type=float,
-        default=300.0,
-        metavar="SECONDS",
-        help="how long the head waits for its remote replicas, and a headless core for the head",
-    )
-    add(
-        "--headless",
-        action="store_true",
-        help="run only --data-parallel-size-local engine cores, no API server: remote "
-        "replicas of the head at --data-parallel-address:--data-parallel-rpc-port",
-    )
+    add_dp_args(add)
     add(
         "--engine-core-restarts",
         type=int,
@@ -164,7 +134,7 @@ def check_serve_args(a: argparse.Namespace) -> None:
             f"serve needs the server extra: pip install 'paged_engine[server]' "
             f"({', '.join(missing)} not installed)"
         )
-    _check_dp_args(a)
+    check_dp_args(a)
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if a.engine_core_restarts < 0:
@@ -187,30 +157,6 @@ def check_serve_args(a: argparse.Namespace) -> None:
     except ValueError as e:
         field, _, rest = str(e).partition(" ")
         raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
-
-
-def _check_dp_args(a: argparse.Namespace) -> None:
-    """Resolve ``a.dp_local`` (the replicas this node runs) and ``a.dp_remote`` (those the
-    head waits for); remote replicas need the shared key, refused by name when unset."""
-    n, local = a.data_parallel_size, a.data_parallel_size_local
-    a.dp_local = n if local is None else local
-    a.dp_remote = 0 if a.headless else n - a.dp_local
-    if a.headless and a.dp_local < 1:
-        raise ValueError(f"--data-parallel-size-local must be >= 1 with --headless, got {local}")
-    if not a.headless and not 0 <= a.dp_local <= n:
-        raise ValueError(f"--data-parallel-size-local must be in [0, {n}], got {local}")
-    if not 0 < a.data_parallel_rpc_port < 65536:
-        raise ValueError(
-            f"--data-parallel-rpc-port must be in [1, 65535], got {a.data_parallel_rpc_port}"
-        )
-    if not a.data_parallel_connect_timeout > 0:
-        raise ValueError(
-            f"--data-parallel-connect-timeout must be > 0, got {a.data_parallel_connect_timeout}"
-        )
-    if (n > 1 or a.dp_remote or a.headless) and a.engine_core != "process":
-        raise ValueError("--data-parallel-size > 1 and --headless need --engine-core process")
-    if a.dp_remote or a.headless:
-        dp_authkey()
 
 
 def cmd_serve(a: argparse.Namespace, fields: dict[str, Any], params: object) -> int:
@@ -241,6 +187,7 @@ def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     from paged_engine.entrypoints.core_process import CoreSpec
     from paged_engine.entrypoints.dp_client import DPClient, stop_all
     from paged_engine.entrypoints.dp_headless import run_headless
+    from paged_engine.entrypoints.dp_ray import RayReplicas
     from paged_engine.entrypoints.dp_remote import ReplicaError, launch_replicas
     from paged_engine.entrypoints.server_runtime import run_core_server
     from paged_engine.llm import model_dir_of
@@ -263,29 +210,36 @@ def _serve_core(a: argparse.Namespace, fields: dict[str, Any]) -> int:
     if a.headless:
         return run_headless(spec, a.dp_local, address, timeout)
     tokenizer = load_tokenizer(model_dir, ModelConfig.load(model_dir).hf_config)
+    ray_replicas = RayReplicas(spec, a.dp_ray, connect_timeout=timeout) if a.dp_ray else None
     try:
-        cores = launch_replicas(
-            spec,
-            a.dp_local,
-            a.dp_remote,
-            address=address,
-            restarts=a.engine_core_restarts,
-            connect_timeout=timeout,
-        )
+        if ray_replicas is not None:
+            cores = ray_replicas.launch()
+        else:
+            cores = launch_replicas(
+                spec,
+                a.dp_local,
+                a.dp_remote,
+                address=address,
+                restarts=a.engine_core_restarts,
+                connect_timeout=timeout,
+            )
     except ReplicaError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     try:
-        client = cores[0] if len(cores) == 1 else DPClient(cores)
+        client = DPClient(cores) if len(cores) > 1 or ray_replicas else cores[0]
         return run_core_server(client, tokenizer, a.settings, model_root=str(a.model))
     finally:
         stop_all(cores, 1.0)
+        if ray_replicas is not None:
+            ray_replicas.close()
 
 
 def _exit_now(code: int) -> None:
     # The interpreter's own exit would now collect every object the model and the engine
     # made (a full garbage collection: seconds under load, past the shutdown bound). The
     # server has shut down and the workers are closed: flush and end the process here.
+    end_ray()  # os._exit skips Ray's own shutdown (a local Ray would outlive this process)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -7,8 +7,9 @@ with spawned workers (``tp_worker.py``), and everything after the start is that 
 rank 0's node resource (``node:<ip>``), bundles 1..N-1 one actor each
 (``ACTOR_CPUS``). With ``PACK`` (the default) Ray puts the bundles on one node where it
 can, and bundle 0 makes that node rank 0's: the group then needs no network between
-ranks. ``SPREAD`` puts them on different nodes where it can. ``ray.init()`` is called
-when Ray is not initialized yet: it joins the cluster of ``RAY_ADDRESS`` or a local
+ranks. ``SPREAD`` (``$PAGED_ENGINE_RAY_PLACEMENT=SPREAD``, ``ray_support``) puts them on
+different nodes where it can. ``ray.init()`` is called when Ray is not initialized yet:
+it joins the cluster of ``RAY_ADDRESS`` or a local
 ``ray start``, else starts a local one.
 
 **Rendezvous.** Rank 0's store listens on every interface; the actors connect to rank
@@ -43,6 +44,7 @@ import torch
 
 from paged_engine.config import EngineConfig
 from paged_engine.layers.parallel import check_divisible
+from paged_engine.ray_support import PLACEMENTS, import_ray, placement_strategy, within
 from paged_engine.utils.model_config import ModelConfig
 from paged_engine.worker import distributed as tpd
 from paged_engine.worker.devices import resolve_tp_device
@@ -56,18 +58,6 @@ __all__ = ["ACTOR_CPUS", "PLACEMENTS", "RayWorkerGroup", "import_ray", "start_ra
 
 ACTOR_CPUS = 1.0
 """CPUs each actor reserves: one, so that TP=2 fits a 2-CPU machine beside rank 0."""
-PLACEMENTS = ("PACK", "SPREAD")
-
-
-def import_ray() -> Any:
-    """The ``ray`` module, or an ImportError that says how to install it."""
-    try:
-        import ray
-    except ImportError as err:
-        raise ImportError(
-            "distributed_executor_backend='ray' needs Ray: pip install 'paged_engine[ray]'"
-        ) from err
-    return ray
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -86,12 +76,11 @@ class RayWorkerGroup(WorkerGroup):
         config: EngineConfig,
         device: torch.device,
         transport: str | None = None,
-        placement: str = "PACK",
+        placement: str | None = None,
     ) -> None:
         if transport not in (None, "shm", "broadcast"):
             raise ValueError(f"transport must be None, 'shm' or 'broadcast', got {transport!r}")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        placement = placement_strategy(placement)
         if device.type != "cpu":
             raise NotImplementedError(
                 "distributed_executor_backend='ray' runs CPU ranks only so far; use 'mp' on CUDA"
@@ -180,8 +169,8 @@ class RayWorkerGroup(WorkerGroup):
                 with suppress(Exception):
                     self._ray.kill(actor, no_restart=True)
             if self.placement_group is not None:
-                with suppress(Exception):
-                    self._ray.util.remove_placement_group(self.placement_group)
+                group = self.placement_group
+                within(lambda: self._ray.util.remove_placement_group(group))
             if isinstance(self.channel, ShmChannel):
                 for signal_ in self.channel.signals:
                     signal_.close()
