@@ -25,8 +25,9 @@ from paged_engine.engine.sequence import Sequence as EngineSequence
 from paged_engine.entrypoints.core_client import CoreClient
 from paged_engine.entrypoints.core_process import CoreSpec
 from paged_engine.entrypoints.dp_client import DPClient, PrefixIndex, prompt_block_hashes
+from paged_engine.entrypoints.metrics import ServerMetrics
 from paged_engine.sampling_params import RequestOutputKind
-from tests.test_server_support import MODEL, PROMPTS, serve_process
+from tests.test_server_support import MODEL, PROMPTS, parse_metrics, serve_process
 
 pytestmark = pytest.mark.timeout(240)
 BLOCK = 8
@@ -70,6 +71,23 @@ def test_the_longest_prefix_wins_until_load_outweighs_it() -> None:
     assert dp.choose([7, 8, 9]) == 0  # 3 beyond replica 0's 0: past max_imbalance
     dp.indexes[2].add([7, 8, 9])
     assert dp.choose([7, 8, 9]) == 0  # replica 2 is dead
+
+
+def test_metrics_show_each_replicas_state() -> None:
+    """What ``/metrics`` reads of the router at scrape time; a single core has no such
+    series."""
+    dp = DPClient([_Replica(), _Replica(), _Replica()])  # type: ignore[list-item]
+    dp.in_flight[0] = 3
+    dp.replicas[2].alive = False
+    metrics = ServerMetrics()
+    metrics.bind(dp)
+    m = parse_metrics(metrics.render().decode())
+    alive = [m[f'dp_replica_alive{{replica="{i}"}}'] for i in range(3)]
+    load = [m[f'dp_replica_in_flight{{replica="{i}"}}'] for i in range(3)]
+    assert alive == [1.0, 1.0, 0.0] and load == [3.0, 0.0, 0.0]
+    single = ServerMetrics()
+    single.bind(_Replica())  # type: ignore[arg-type]
+    assert "dp_replica" not in single.render().decode()
 
 
 # ---- two real replicas -----------------------------------------------------------------

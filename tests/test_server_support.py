@@ -150,9 +150,10 @@ def live_server(
 
 @contextmanager
 def serve_process(
-    model_dir: Path, *flags: str, env: dict[str, str] | None = None
+    model_dir: Path, *flags: str, env: dict[str, str] | None = None, new_session: bool = False
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """``python -m paged_engine serve`` on an ephemeral port; (url, process)."""
+    """``python -m paged_engine serve`` on an ephemeral port (in a session and process group
+    of its own with ``new_session``); (url, process)."""
     cmd = [sys.executable, "-m", "paged_engine", "serve", str(model_dir), "--port", "0"]
     cmd += ["--served-model-name", MODEL, "--block-size", "8", "--threads", "1", *flags]
     proc = subprocess.Popen(
@@ -161,6 +162,7 @@ def serve_process(
         stdout=subprocess.DEVNULL,
         text=True,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+        start_new_session=new_session,
     )
     lines: list[str] = []
     url: list[str] = []

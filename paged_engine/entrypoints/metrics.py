@@ -16,9 +16,9 @@ thread as outputs leave it:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -75,8 +75,11 @@ class ServerMetrics:
         self._timings: dict[str, _Timing] = {}
 
     def bind(self, loop: _HasSnapshot) -> None:
-        """Export ``loop``'s engine snapshot too."""
+        """Export ``loop``'s engine snapshot too, and its replicas' state when it is a
+        data-parallel router."""
         self.registry.register(_SnapshotCollector(loop))
+        if isinstance(loop, _HasReplicas):
+            self.registry.register(_ReplicaCollector(loop))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -110,6 +113,46 @@ class _HasSnapshot(Protocol):
 
     @property
     def snapshot(self) -> EngineSnapshot | None: ...
+
+
+class _Replica(Protocol):
+    @property
+    def alive(self) -> bool: ...
+
+
+@runtime_checkable
+class _HasReplicas(Protocol):
+    """A data-parallel router (``DPClient``)."""
+
+    replicas: Sequence[_Replica]
+
+    def loads(self) -> list[int]: ...
+
+
+class _ReplicaCollector:
+    """Each data-parallel replica's state, read at scrape time: whether its core serves
+    (a dead one gets no more requests) and the sequences it holds."""
+
+    def __init__(self, router: _HasReplicas) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        alive = GaugeMetricFamily(
+            PREFIX + "dp_replica_alive",
+            "1 while the data-parallel replica's engine core serves, 0 once it is gone",
+            labels=["replica"],
+        )
+        load = GaugeMetricFamily(
+            PREFIX + "dp_replica_in_flight",
+            "Sequences routed to the data-parallel replica and not yet ended",
+            labels=["replica"],
+        )
+        loads = self._router.loads()
+        for i, (replica, n) in enumerate(zip(self._router.replicas, loads, strict=True)):
+            alive.add_metric([str(i)], 1.0 if replica.alive else 0.0)
+            load.add_metric([str(i)], float(n))
+        yield alive
+        yield load
 
 
 class _SnapshotCollector:
