@@ -32,7 +32,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import secrets
 from contextlib import suppress
 from typing import Any
@@ -42,7 +41,7 @@ from paged_engine.entrypoints.core_process import CoreSpec, core_main
 from paged_engine.entrypoints.dp_client import stop_all
 from paged_engine.entrypoints.dp_headless import connect_to_head
 from paged_engine.entrypoints.dp_remote import CoreListener, RemoteCoreClient, ReplicaError
-from paged_engine.ray_support import import_ray, placement_strategy, within
+from paged_engine.ray_support import actor_location, import_ray, placement_strategy, within
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +56,7 @@ class ReplicaActor:
 
     def where(self) -> tuple[str, str, int]:
         """This actor's node id, node address and pid."""
-        import ray
-
-        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
-        return ray.get_runtime_context().get_node_id(), ip, os.getpid()
+        return actor_location()
 
     def serve(
         self, spec: CoreSpec, address: tuple[str, int], authkey: bytes, timeout: float

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from paged_engine.ray_support import actor_location
 from paged_engine.worker.handoff import BroadcastChannel, ShmReader
 from paged_engine.worker.tp_process import STARTUP_TIMEOUT_S, WorkerError, WorkerSpec
 
@@ -74,10 +75,7 @@ class RankActor:
 
     def where(self) -> tuple[str, str, int]:
         """This actor's node id, node address and pid."""
-        import ray
-
-        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
-        return ray.get_runtime_context().get_node_id(), ip, os.getpid()
+        return actor_location()
 
     def run(
         self, entry: Callable[..., None], rank: int, spec: WorkerSpec, fifo: str | None
