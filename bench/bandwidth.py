@@ -4,8 +4,9 @@ in a fresh interpreter and records the figures).
 
 * ``stream``: a STREAM-like read of a float32 buffer far larger than the last-level cache
   (``STREAM_BYTES``), reduced by ``torch.sum`` and by ``numpy.sum``, at 1 thread and at
-  every usable CPU; GB/s = bytes / seconds of one pass (1 GB = 1e9 bytes). The machine's
-  read bandwidth at a thread count is the best of the two readers.
+  every usable CPU; GB/s = bytes / seconds of one pass (1 GB = 1e9 bytes). Where the
+  kernel allows huge pages, each reader also reads a copy on huge pages (``_huge``). The
+  machine's read bandwidth at a thread count is the best of the readers and buffers.
 * ``decode``: ``run_paged_decode_cpu`` (checks made once, as a step makes them) for
   ``batch`` sequences of ``context`` tokens in 16-token blocks (the engine's default), the
   29M model's heads (8 query / 4 KV heads, head_dim 64), float32 and bfloat16. Bytes per
@@ -19,6 +20,12 @@ in a fresh interpreter and records the figures).
   is cold against ordered); ``hot``: the same blocks every call (cached where they fit: a
   ceiling on what the kernel's arithmetic allows). The fraction is cold (and ordered) GB/s
   over the machine's read bandwidth at the same thread count.
+* ``_huge`` (``cold_huge``, ``ordered_huge``): the same calls over a second pool allocated
+  empty, advised onto transparent huge pages before it is written
+  (``bench/huge_pages.py``; the engine's own pool is not advised), alternated with the
+  first (whose pages are the allocator's ordinary 4 KiB ones) call by call within each
+  round; only where the kernel's THP mode allows the advice. ``anon_huge_mib`` is the
+  process's huge-page-backed memory once both pools are written (``/proc/self/smaps_rollup``).
 
 Every setting is measured ``rounds`` times, thread counts alternating (1, N then N, 1, ...);
 per setting the best (fastest) and the median pass or call.
@@ -40,10 +47,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.huge_pages import advise_huge_pages, transparent_huge_pages
 from bench.models import MODELS
 from paged_engine.kernels.paged_decode_cpu import (
     bf16_variants,
@@ -104,16 +113,19 @@ def stream(rounds: int, nbytes: int = STREAM_BYTES, passes: int = 3) -> dict[str
     """Read bandwidth per thread count: ``{f"{reader}_{n}t": summary}`` and
     ``f"read_{n}t_gbs_best"``/``_median`` (the better reader's)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)  # written: every page is mapped
-    arr = buf.numpy()
-    readers: dict[str, Callable[[], object]] = {
-        "torch_sum": lambda: buf.sum(),
-        "numpy_sum": lambda: arr.sum(),
-    }
+    readers: dict[str, Callable[[], object]] = {}
+    buffers = {"": buf}
+    if huge_pages_usable():  # the same read over huge pages: the machine's best is either
+        buffers["_huge"] = huge_copy(buf)
+    for suffix, b in buffers.items():
+        arr = b.numpy()
+        readers[f"torch_sum{suffix}"] = b.sum
+        readers[f"numpy_sum{suffix}"] = arr.sum
     times: dict[str, list[float]] = {}
     for n in _alternating(rounds, thread_counts()):
         torch.set_num_threads(n)  # numpy's sum is single-threaded whatever n says
         for name, read in readers.items():
-            if name == "numpy_sum" and n > 1:
+            if name.startswith("numpy_sum") and n > 1:
                 continue
             read()  # warm: the first pass after a switch pays the threads' start
             for _ in range(passes):
@@ -128,11 +140,41 @@ def stream(rounds: int, nbytes: int = STREAM_BYTES, passes: int = 3) -> dict[str
     return out
 
 
+def huge_copy(src: torch.Tensor) -> torch.Tensor:
+    """A copy of ``src`` in memory allocated empty (as the engine's KV pool is), advised onto
+    huge pages, then written."""
+    pool = torch.empty_like(src)
+    advise_huge_pages(pool.data_ptr(), pool.nbytes)
+    return pool.copy_(src)
+
+
+def anon_huge_mib() -> float | None:
+    """This process's anonymous memory on huge pages, MiB (None where unreadable)."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("AnonHugePages:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return None
+
+
+def huge_pages_usable() -> bool:
+    return transparent_huge_pages() in ("always", "madvise")
+
+
 def decode_cell(
-    batch: int, context: int, dtype: torch.dtype, rounds: int, calls: int, cold_bytes: int
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    rounds: int,
+    calls: int,
+    cold_bytes: int,
+    huge: bool = False,
 ) -> dict[str, Any]:
-    """The kernel's cold, ordered and hot per-call figures at each thread count (see the
-    module)."""
+    """The kernel's cold, ordered and hot per-call figures at each thread count, and with
+    ``huge`` the cold and ordered ones over a huge-page pool too (see the module)."""
     heads, kv_heads, dim = SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"]
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = 2 * batch * context * kv_heads * dim * itemsize
@@ -140,8 +182,12 @@ def decode_cell(
     width = -(-context // BLOCK_SIZE)
     num_blocks = copies * batch * width
     gen = torch.Generator().manual_seed(0)
-    k = torch.rand(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).sub_(0.5).to(dtype)
-    v = torch.rand(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).sub_(0.5).to(dtype)
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, dim)
+    k = torch.rand(shape, generator=gen).sub_(0.5).to(dtype)
+    v = torch.rand(shape, generator=gen).sub_(0.5).to(dtype)
+    pools = {"": (k, v)}
+    if huge:
+        pools["_huge"] = (huge_copy(k), huge_copy(v))
     shuffled = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     in_order = torch.arange(num_blocks, dtype=torch.int32)
     tables = {
@@ -167,14 +213,18 @@ def decode_cell(
                 if mode != "hot":
                     table = tables[mode][1 + turn[mode] % (copies - 1)]
                     turn[mode] += 1
-                start = time.perf_counter()
-                run_paged_decode_cpu(launch, q, k, v, table, seq_lens, scale, out)
-                elapsed = time.perf_counter() - start
-                if i:
-                    times.setdefault(f"{mode}_{n}t", []).append(elapsed)
+                for suffix, (pk, pv) in pools.items():  # the same table in each pool
+                    if mode == "hot" and suffix:
+                        continue
+                    start = time.perf_counter()
+                    run_paged_decode_cpu(launch, q, pk, pv, table, seq_lens, scale, out)
+                    elapsed = time.perf_counter() - start
+                    if i:
+                        times.setdefault(f"{mode}{suffix}_{n}t", []).append(elapsed)
     return {
         "kv_bytes_per_call": nbytes,
         "copies": copies,
+        "anon_huge_mib": anon_huge_mib(),
         **{key: _summary(ts, nbytes) for key, ts in times.items()},
     }
 
@@ -190,6 +240,7 @@ def measure(rounds: int, quick: bool = False) -> dict[str, Any]:
         "bf16_variants": list(bf16_variants()),
         "stream_bytes": 8 * 2**20 if quick else STREAM_BYTES,
         "cold_bytes": cold_bytes,
+        "thp_mode": transparent_huge_pages(),
         "load_avg_before": round(os.getloadavg()[0], 2),
     }
     result["stream"] = stream(rounds, result["stream_bytes"])
@@ -199,11 +250,13 @@ def measure(rounds: int, quick: bool = False) -> dict[str, Any]:
         for batch in BATCHES:
             for context in CONTEXTS:
                 calls = 4 if quick else 32
-                cell = decode_cell(batch, context, dtype, rounds, calls, cold_bytes)
+                huge = huge_pages_usable()
+                cell = decode_cell(batch, context, dtype, rounds, calls, cold_bytes, huge)
+                modes = ("cold", "ordered", "cold_huge", "ordered_huge")[: 4 if huge else 2]
                 for n in thread_counts():
                     for stat in ("best", "median"):
                         read = result["stream"][f"read_{n}t_gbs_{stat}"]
-                        for mode in ("cold", "ordered"):
+                        for mode in modes:
                             frac = cell[f"{mode}_{n}t"][f"gbs_{stat}"] / read
                             cell[f"{mode}_{n}t"][f"fraction_{stat}"] = round(frac, 3)
                 name = f"{dtype_name(dtype)}_b{batch}_c{context}"
@@ -231,6 +284,13 @@ def cell_line(name: str, cell: dict[str, Any], threads: list[int]) -> str:
             f"{c['us_min']} us/call; ordered {o['gbs_best']} GB/s = {o['fraction_best']:.0%}; "
             f"hot {h['gbs_best']} GB/s"
         )
+        if f"cold_huge_{n}t" in cell:
+            ch, oh = cell[f"cold_huge_{n}t"], cell[f"ordered_huge_{n}t"]
+            parts[-1] += (
+                f"; huge pages: cold {ch['gbs_best']} GB/s ({ch['gbs_median']}) = "
+                f"{ch['fraction_best']:.0%} ({ch['fraction_median']:.0%}), "
+                f"ordered {oh['gbs_best']} GB/s = {oh['fraction_best']:.0%}"
+            )
     mib = cell["kv_bytes_per_call"] / 2**20
     return f"decode {name} ({mib:.2f} MiB K+V/call): " + "; ".join(parts)
 
