@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from bench.huge_pages import advise_huge_pages, transparent_huge_pages
+from bench.huge_pages import advise_huge_pages, huge_pages_usable, transparent_huge_pages
 from bench.models import MODELS
 from paged_engine.kernels.paged_decode_cpu import (
     bf16_variants,
@@ -160,10 +160,6 @@ def anon_huge_mib() -> float | None:
     return None
 
 
-def huge_pages_usable() -> bool:
-    return transparent_huge_pages() in ("always", "madvise")
-
-
 def decode_cell(
     batch: int,
     context: int,
@@ -246,11 +242,11 @@ def measure(rounds: int, quick: bool = False) -> dict[str, Any]:
     result["stream"] = stream(rounds, result["stream_bytes"])
     print(stream_line(result), flush=True)
     result["decode"] = {}
+    huge = huge_pages_usable()
     for dtype in dtypes():
         for batch in BATCHES:
             for context in CONTEXTS:
                 calls = 4 if quick else 32
-                huge = huge_pages_usable()
                 cell = decode_cell(batch, context, dtype, rounds, calls, cold_bytes, huge)
                 modes = ("cold", "ordered", "cold_huge", "ordered_huge")[: 4 if huge else 2]
                 for n in thread_counts():

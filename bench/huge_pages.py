@@ -40,6 +40,11 @@ def transparent_huge_pages() -> str | None:
     return text[text.index("[") + 1 : text.index("]")]
 
 
+def huge_pages_usable() -> bool:
+    """Whether advice can take effect here: Linux, with THP ``always`` or ``madvise``."""
+    return sys.platform.startswith("linux") and transparent_huge_pages() in ("always", "madvise")
+
+
 def advise_huge_pages(address: int, nbytes: int) -> bool:
     """Advise the kernel to back ``[address, address + nbytes)`` with huge pages
     (``madvise(MADV_HUGEPAGE)`` over the whole small pages inside it). Give the advice
@@ -49,10 +54,7 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     one huge page, or when ``madvise`` refuses it."""
     if address < 0 or nbytes < 0:
         raise ValueError(f"advise_huge_pages: address {address} and nbytes {nbytes} must be >= 0")
-    if not sys.platform.startswith("linux") or transparent_huge_pages() not in (
-        "always",
-        "madvise",
-    ):
+    if not huge_pages_usable():
         return False
     page = os.sysconf("SC_PAGE_SIZE")
     start = -(-address // page) * page

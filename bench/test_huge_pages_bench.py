@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from bench.huge_pages import transparent_huge_pages
+from bench.huge_pages import huge_pages_usable, transparent_huge_pages
 from bench.models import MODELS
 from paged_engine.utils.tiny_model import make_tiny_model
 
@@ -104,7 +104,7 @@ def run_child(model: Path, arm: str, workload: tuple[int, int, int]) -> dict[str
 
 
 @pytest.mark.skipif(
-    transparent_huge_pages() not in ("always", "madvise"),
+    not huge_pages_usable(),
     reason=f"this kernel's THP mode is {transparent_huge_pages()!r}: no advice to compare",
 )
 @pytest.mark.parametrize("workload", WORKLOADS)
