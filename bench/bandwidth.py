@@ -9,7 +9,8 @@ in a fresh interpreter and records the figures).
   machine's read bandwidth at a thread count is the best of the readers and buffers.
 * ``decode``: ``run_paged_decode_cpu`` (checks made once, as a step makes them) for
   ``batch`` sequences of ``context`` tokens in 16-token blocks (the engine's default), the
-  29M model's heads (8 query / 4 KV heads, head_dim 64), float32 and bfloat16. Bytes per
+  29M model's heads (8 query / 4 KV heads, head_dim 64) and SmolLM2-135M's (9 / 3, head_dim
+  64; cells named ``smollm2_...``), float32 and bfloat16. Bytes per
   call = the K and V rows the contexts cover, ``2 * batch * context * kv_heads * head_dim *
   itemsize`` (the query, tables and output are below 1% of it and not counted). ``cold``:
   each call reads the next copy of the batch's blocks, shuffled over a pool of at least
@@ -41,6 +42,7 @@ import paged_engine  # noqa: F401  (first: OMP_WAIT_POLICY before torch loads Op
 
 # isort: split
 import argparse
+import itertools
 import json
 import math
 import os
@@ -67,7 +69,12 @@ COLD_BYTES = 256 * 2**20
 BLOCK_SIZE = 16
 BATCHES = (8, 32)
 CONTEXTS = (128, 512)
-SHAPE = MODELS["qwen3-29m"]
+GEOMETRIES: dict[str, dict[str, int]] = {
+    "": MODELS["qwen3-29m"],  # the cells' names carry no prefix, as before SmolLM2's came
+    "smollm2_": dict(num_heads=9, num_kv_heads=3, head_dim=64),
+}
+"""Attention geometries, by the prefix of their cells' names: the 29M model's (8 query / 4
+KV heads of 64) and SmolLM2-135M's (9 / 3 of 64; the real model bench-vllm runs)."""
 
 
 def usable_threads() -> int:
@@ -168,10 +175,12 @@ def decode_cell(
     calls: int,
     cold_bytes: int,
     huge: bool = False,
+    shape: dict[str, int] = GEOMETRIES[""],
 ) -> dict[str, Any]:
     """The kernel's cold, ordered and hot per-call figures at each thread count, and with
-    ``huge`` the cold and ordered ones over a huge-page pool too (see the module)."""
-    heads, kv_heads, dim = SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"]
+    ``huge`` the cold and ordered ones over a huge-page pool too (see the module), for the
+    attention geometry ``shape``."""
+    heads, kv_heads, dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = 2 * batch * context * kv_heads * dim * itemsize
     copies = max(2, math.ceil(cold_bytes / nbytes))
@@ -243,21 +252,20 @@ def measure(rounds: int, quick: bool = False) -> dict[str, Any]:
     print(stream_line(result), flush=True)
     result["decode"] = {}
     huge = huge_pages_usable()
-    for dtype in dtypes():
-        for batch in BATCHES:
-            for context in CONTEXTS:
-                calls = 4 if quick else 32
-                cell = decode_cell(batch, context, dtype, rounds, calls, cold_bytes, huge)
-                modes = ("cold", "ordered", "cold_huge", "ordered_huge")[: 4 if huge else 2]
-                for n in thread_counts():
-                    for stat in ("best", "median"):
-                        read = result["stream"][f"read_{n}t_gbs_{stat}"]
-                        for mode in modes:
-                            frac = cell[f"{mode}_{n}t"][f"gbs_{stat}"] / read
-                            cell[f"{mode}_{n}t"][f"fraction_{stat}"] = round(frac, 3)
-                name = f"{dtype_name(dtype)}_b{batch}_c{context}"
-                result["decode"][name] = cell
-                print(cell_line(name, cell, result["threads"]), flush=True)
+    for prefix, shape in GEOMETRIES.items():
+        for dtype, batch, context in itertools.product(dtypes(), BATCHES, CONTEXTS):
+            calls = 4 if quick else 32
+            cell = decode_cell(batch, context, dtype, rounds, calls, cold_bytes, huge, shape)
+            modes = ("cold", "ordered", "cold_huge", "ordered_huge")[: 4 if huge else 2]
+            for n in thread_counts():
+                for stat in ("best", "median"):
+                    read = result["stream"][f"read_{n}t_gbs_{stat}"]
+                    for mode in modes:
+                        frac = cell[f"{mode}_{n}t"][f"gbs_{stat}"] / read
+                        cell[f"{mode}_{n}t"][f"fraction_{stat}"] = round(frac, 3)
+            name = f"{prefix}{dtype_name(dtype)}_b{batch}_c{context}"
+            result["decode"][name] = cell
+            print(cell_line(name, cell, result["threads"]), flush=True)
     result["load_avg_after"] = round(os.getloadavg()[0], 2)
     return result
 

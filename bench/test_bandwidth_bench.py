@@ -1,7 +1,8 @@
 """Issue 25, item 2's measurement: the machine's read bandwidth (a STREAM-like read, 1 thread
 and every usable CPU) and the CPU decode kernel's effective read bandwidth on the 29M
-model's shapes, batch 8 and 32, context 128 and 512, float32 and bfloat16 (where the CPU
-has bfloat16), with the kernel's fraction of the read bandwidth. The measurement is
+model's and SmolLM2-135M's attention shapes, batch 8 and 32, context 128 and 512, float32
+and bfloat16 (where the CPU has bfloat16), with the kernel's fraction of the read
+bandwidth. The measurement is
 ``bench/bandwidth.py`` (its docstring says what is read and how bytes are counted), run in
 a fresh interpreter that imports paged_engine first, ``OMP_*``/``GOMP_*`` removed from its
 environment (as bench/test_decode_threads_bench.py does).

@@ -44,15 +44,17 @@ typedef void (*ItemFn)(const Args *a, int b, int kh0, int nkv);
 int run_items(const Args *a, ItemFn item, int span);
 
 /* How many kv heads one item takes where the copy has runs (paged_decode_head.h): all of
- * them where there are 2 or 4 and their query heads fit an item (ITEM_MAX_*), else 1. Only
- * whole rows: a run of 4 of 8 kv heads (head_dim 128) still jumps half a row at every
- * token, and measured no faster than one kv head at a time. A function of the geometry
- * alone, never of the thread count or the batch, so the items, and the bits, are the same
- * however a call runs. */
+ * them where there are 2, 3 or 4, each with a group of 2 or more query heads that fit an
+ * item (ITEM_MAX_*), else 1. Only whole rows: a run of 4 of 8 kv heads (head_dim 128) still
+ * jumps half a row at every token, and measured no faster than one kv head at a time. Not
+ * for groups of 1: there GCC vectorised the run's copy in another order than decode_head's,
+ * and a head's output differed in the last bit between the two (tests/test_cpu_kernel.py
+ * compares them). A function of the geometry alone, never of the thread count or the
+ * batch, so the items, and the bits, are the same however a call runs. */
 static inline int run_span(const Args *a) {
     const int G = a->heads / a->kv_heads, span = a->kv_heads;
     const int fits = span * G <= ITEM_MAX_HEADS && span * G * a->head_dim <= ITEM_MAX_ELEMS;
-    return (span == 2 || span == 4) && fits ? span : 1;
+    return span >= 2 && span <= 4 && G >= 2 && fits ? span : 1;
 }
 
 /* A copy's entry point: returns run_items' thread count. */

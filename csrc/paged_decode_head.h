@@ -21,7 +21,7 @@
  */
 
 /* One (sequence, kv head): its G query heads against the whole context. D, and G where the
- * group is 1, 2 or 4, are constants in the specialised copies below: the compiler unrolls
+ * group is 1, 2, 3 or 4, are constants in the specialised copies below: the compiler unrolls
  * and vectorises the dots, and with G known it keeps the group's loops unrolled (the
  * accumulator rows no longer go through memory on every token). The arithmetic, and so
  * every bit of the output, is the same in every copy. */
@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
  * holds every kv head, so an item of all of them reads each block's rows as one contiguous
  * stretch, front to back, where an item of one kv head reads a kv_heads-th of each row and
  * jumps to the next (bench/test_bandwidth_bench.py measures the kernel's read rate). nkv is
- * a constant (2 or 4) in every copy: read at run time, the heads' loops are neither
+ * a constant (2, 3 or 4) in every copy: read at run time, the heads' loops are neither
  * unrolled nor vectorised. decode_head stays, unchanged, for items of one kv head: the
  * geometries this was not measured to help keep the code they had. */
 static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args *a, int b,
@@ -187,8 +187,8 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
  * G read at run time cannot; both give the same bits.
  *
  * Runs of kv heads (decode_run; run_span says when) only for head dims 64 and 128 with G a
- * constant, in copies of their own: every other geometry takes one kv head per item, and
- * more copies would cost build time (each is compiled per level and dtype). */
+ * constant 2, 3 or 4, in copies of their own: every other geometry takes one kv head per
+ * item, and more copies would cost build time (each is compiled per level and dtype). */
 #define DH_ITEM(DIM, GR)                                                              \
     DH_ATTR static void DH_NAME(item_d##DIM##_g##GR)(const Args *a, int b, int kh0,   \
                                                       int nkv) {                      \
@@ -199,15 +199,17 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
     DH_ATTR static void DH_NAME(run_d##DIM##_g##GR)(const Args *a, int b, int kh0,    \
                                                      int nkv) {                       \
         if (nkv == 4) DH_NAME(decode_run)(a, b, kh0, 4, DIM, GR);                     \
-        else DH_NAME(decode_run)(a, b, kh0, 2, DIM, GR); /* run_span: 2 or 4 */       \
+        else if (nkv == 3) DH_NAME(decode_run)(a, b, kh0, 3, DIM, GR);                \
+        else DH_NAME(decode_run)(a, b, kh0, 2, DIM, GR); /* run_span: 2, 3 or 4 */    \
     }
 #define DH_GENERIC_G(DIM)                                                              \
     DH_ATTR static void DH_NAME(item_d##DIM)(const Args *a, int b, int kh0, int nkv) { \
         (void)nkv;                                                                     \
         DH_NAME(decode_head)(a, b, kh0, DIM, a->heads / a->kv_heads);                  \
     }
-#define DH_SPECIALISE(DIM) DH_ITEM(DIM, 1) DH_ITEM(DIM, 2) DH_ITEM(DIM, 4) DH_GENERIC_G(DIM)
-#define DH_RUNS(DIM) DH_RUN_ITEM(DIM, 1) DH_RUN_ITEM(DIM, 2) DH_RUN_ITEM(DIM, 4)
+#define DH_SPECIALISE(DIM) \
+    DH_ITEM(DIM, 1) DH_ITEM(DIM, 2) DH_ITEM(DIM, 3) DH_ITEM(DIM, 4) DH_GENERIC_G(DIM)
+#define DH_RUNS(DIM) DH_RUN_ITEM(DIM, 2) DH_RUN_ITEM(DIM, 3) DH_RUN_ITEM(DIM, 4)
 DH_SPECIALISE(16)
 DH_SPECIALISE(32)
 DH_SPECIALISE(64)
@@ -231,13 +233,14 @@ DH_ATTR static void DH_NAME(item_dany)(const Args *a, int b, int kh0, int nkv) {
     switch (a->heads / a->kv_heads) {                                      \
         case 1: return run_items(a, DH_NAME(item_d##DIM##_g1), 1);         \
         case 2: return run_items(a, DH_NAME(item_d##DIM##_g2), 1);         \
+        case 3: return run_items(a, DH_NAME(item_d##DIM##_g3), 1);         \
         case 4: return run_items(a, DH_NAME(item_d##DIM##_g4), 1);         \
         default: return run_items(a, DH_NAME(item_d##DIM), 1);             \
     }
 #define DH_PICK_RUNS(DIM)                                                  \
     if (run_span(a) > 1) switch (a->heads / a->kv_heads) {                 \
-            case 1: return run_items(a, DH_NAME(run_d##DIM##_g1), run_span(a)); \
             case 2: return run_items(a, DH_NAME(run_d##DIM##_g2), run_span(a)); \
+            case 3: return run_items(a, DH_NAME(run_d##DIM##_g3), run_span(a)); \
             case 4: return run_items(a, DH_NAME(run_d##DIM##_g4), run_span(a)); \
             default: break;                                                \
         }                                                                  \

@@ -208,6 +208,8 @@ DECODE_CASES = [
     decode_case((100, 9), block_size=8, group=2, head_dim=16),
     # head_dim 64, 4 kv heads: the CPU kernel's items take a run of kv heads (csrc's run_span)
     decode_case((37, 1, 70), block_size=16, group=2, num_kv_heads=4, head_dim=64),
+    # SmolLM2-135M's geometry: runs of 3 kv heads of 64, groups of 3
+    decode_case((37, 1, 70), block_size=16, group=3, num_kv_heads=3, head_dim=64),
 ]
 PREFILL_CASES = [
     Case(seq_lens=(37, 20, 70), query_lens=(37, 20, 23), block_size=16, group=1),  # fresh + hit
