@@ -111,9 +111,10 @@ class Sampler:
     ``logits_processors.py``); greedy params (``temperature < GREEDY_BELOW``, never
     divided by) are then the argmax (first index on ties), and the rest are drawn after
     temperature, min_p, top-k and top-p (vLLM's order). Every row's probabilities depend
-    only on its own logits, params and history, and a row with a ``torch.Generator``
-    draws its noise alone from it in vocabulary order, so a seeded request samples the
-    same tokens whatever else shares the batch. Unseeded rows draw together.
+    only on its own logits, params and history, and a row with a ``torch.Generator`` of
+    its own draws its noise alone from it in vocabulary order, so a seeded request samples
+    the same tokens whatever else shares the batch. Rows that share a generator (unseeded
+    requests share the engine's) draw together, in one call.
 
     One request's failure is its own: if processing or the probabilities raise (an
     ``Exception``) for the batch, each row is redone alone, and a row that raises alone
@@ -252,22 +253,28 @@ def _draws(
     rows: Sequence[int],
     failed: dict[int, FailedSample],
 ) -> torch.Tensor:
-    """One draw per row of ``probs``: rows without a generator together, the others one by
-    one from their own. A row whose draw raises lands in ``failed`` (as ``rows[j]``) and
-    keeps index 0, which the caller overrides."""
+    """One draw per row of ``probs``, the rows that share a generator (None, or one object
+    such as the engine's generator of unseeded requests) in one call, in row order: on the
+    CPU that fills their noise from the generator's stream exactly as one call per row
+    did, and a seeded request's own generator still draws alone. If a group's call raises,
+    its rows are drawn one by one; a row whose draw raises lands in ``failed`` (as
+    ``rows[j]``) and keeps index 0, which the caller overrides."""
     device = probs.device
     picked = torch.zeros(len(generators), dtype=torch.long, device=device)
-    unseeded = [j for j, g in enumerate(generators) if g is None]
-    if unseeded:
-        sel = _index(unseeded, device)
-        try:
-            picked[sel] = _draw(probs[sel], None)
-        except Exception:
-            for j in unseeded:
-                _draw_one(probs, j, None, picked, rows, failed)
+    groups: dict[int, list[int]] = {}  # by the generator's identity: objects, not seeds
     for j, g in enumerate(generators):
-        if g is not None:
-            _draw_one(probs, j, g, picked, rows, failed)
+        groups.setdefault(id(g), []).append(j)
+    for group in groups.values():
+        generator = generators[group[0]]
+        if len(group) == 1:
+            _draw_one(probs, group[0], generator, picked, rows, failed)
+            continue
+        sel = _index(group, device)
+        try:
+            picked[sel] = _draw(probs[sel], generator)
+        except Exception:
+            for j in group:
+                _draw_one(probs, j, generator, picked, rows, failed)
     return picked
 
 
