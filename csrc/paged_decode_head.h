@@ -23,8 +23,8 @@
 /* One (sequence, kv head): its G query heads against the whole context. D, and G where the
  * group is 1, 2, 3 or 4, are constants in the specialised copies below: the compiler unrolls
  * and vectorises the dots, and with G known it keeps the group's loops unrolled (the
- * accumulator rows no longer go through memory on every token). The arithmetic, and so
- * every bit of the output, is the same in every copy. */
+ * accumulator rows no longer go through memory on every token). The same arithmetic in
+ * every copy, but -ffast-math lets GCC order a copy's sums its own way (the last bit). */
 static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Args *a, int b,
                                                                        int kh, const int D,
                                                                        const int G) {
@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
  * count (no loop of items here for OpenMP to outline into code of another target: the same
  * bits either way). A call per item costs nothing next to an item (a whole context).
  * A copy with G a constant keeps the group's accumulator rows in registers, where one with
- * G read at run time cannot; both give the same bits.
+ * G read at run time cannot (head_dim 16, G 3: the two differed in the last bit).
  *
  * Runs of kv heads (decode_run; run_span says when) only for head dims 64 and 128 with G a
  * constant 2, 3 or 4, in copies of their own: every other geometry takes one kv head per
