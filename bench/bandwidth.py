@@ -174,8 +174,8 @@ def decode_cell(
     rounds: int,
     calls: int,
     cold_bytes: int,
-    huge: bool = False,
-    shape: dict[str, int] = GEOMETRIES[""],
+    huge: bool,
+    shape: dict[str, int],
 ) -> dict[str, Any]:
     """The kernel's cold, ordered and hot per-call figures at each thread count, and with
     ``huge`` the cold and ordered ones over a huge-page pool too (see the module), for the
@@ -252,11 +252,11 @@ def measure(rounds: int, quick: bool = False) -> dict[str, Any]:
     print(stream_line(result), flush=True)
     result["decode"] = {}
     huge = huge_pages_usable()
+    calls = 4 if quick else 32
+    modes = ("cold", "ordered", "cold_huge", "ordered_huge")[: 4 if huge else 2]
     for prefix, shape in GEOMETRIES.items():
         for dtype, batch, context in itertools.product(dtypes(), BATCHES, CONTEXTS):
-            calls = 4 if quick else 32
             cell = decode_cell(batch, context, dtype, rounds, calls, cold_bytes, huge, shape)
-            modes = ("cold", "ordered", "cold_huge", "ordered_huge")[: 4 if huge else 2]
             for n in thread_counts():
                 for stat in ("best", "median"):
                     read = result["stream"][f"read_{n}t_gbs_{stat}"]

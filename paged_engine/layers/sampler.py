@@ -5,6 +5,7 @@ per-request seeds."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -256,37 +257,29 @@ def _draws(
     """One draw per row of ``probs``, the rows that share a generator (None, or one object
     such as the engine's generator of unseeded requests) in one call, in row order: on the
     CPU that fills their noise from the generator's stream exactly as one call per row
-    did, and a seeded request's own generator still draws alone. If a group's call raises,
-    its rows are drawn one by one; a row whose draw raises lands in ``failed`` (as
+    did, and a seeded request's own generator still draws alone. A group whose call raises
+    is drawn row by row (``_isolated``); a row whose draw raises lands in ``failed`` (as
     ``rows[j]``) and keeps index 0, which the caller overrides."""
     device = probs.device
     picked = torch.zeros(len(generators), dtype=torch.long, device=device)
+    position = {r: j for j, r in enumerate(rows)}
     groups: dict[int, list[int]] = {}  # by the generator's identity: objects, not seeds
     for j, g in enumerate(generators):
-        groups.setdefault(id(g), []).append(j)
+        groups.setdefault(id(g), []).append(rows[j])
     for group in groups.values():
-        generator = generators[group[0]]
-        if len(group) == 1:
-            _draw_one(probs, group[0], generator, picked, rows, failed)
-            continue
-        sel = _index(group, device)
-        try:
-            picked[sel] = _draw(probs[sel], generator)
-        except Exception:
-            for j in group:
-                _draw_one(probs, j, generator, picked, rows, failed)
+        generator = generators[position[group[0]]]
+        draw = functools.partial(_draw_rows, probs, generator, position)
+        kept, drawn = _isolated(draw, group, failed)
+        if drawn is not None:
+            picked[_index([position[r] for r in kept], device)] = drawn
     return picked
 
 
-def _draw_one(
+def _draw_rows(
     probs: torch.Tensor,
-    j: int,
     generator: torch.Generator | None,
-    picked: torch.Tensor,
-    rows: Sequence[int],
-    failed: dict[int, FailedSample],
-) -> None:
-    try:
-        picked[j] = _draw(probs[j : j + 1], generator)[0]
-    except Exception as exc:
-        failed[rows[j]] = _failure(exc)
+    position: dict[int, int],
+    rows: list[int],
+) -> torch.Tensor:
+    """``rows`` (batch rows, at ``position`` in ``probs``) drawn in one call."""
+    return _draw(probs[_index([position[r] for r in rows], probs.device)], generator)
