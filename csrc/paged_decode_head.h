@@ -20,6 +20,47 @@
  * rounded to DH_ELEM once, at the end. P is never rounded to the cache dtype.
  */
 
+/* P @ V of one query head over one chunk, for decode_run: acc[x] += p[t] * v[t * row + x]
+ * for the chunk's n tokens in order. Token by token with the head's row of accumulators in
+ * registers: one pass over all heads per token, as decode_head does it, loads and stores
+ * every accumulator row at every token. The same sums in the same order as decode_head's
+ * loop; a body of its own per copy and head dim, never inlined, because inlined into
+ * decode_run, GCC (-ffast-math) ordered them its own way and a head's output differed in
+ * the last bit from decode_head's (tests/test_cpu_kernel.py compares the two). */
+static inline __attribute__((always_inline)) void DH_NAME(pv_body)(float *restrict acc,
+                                                                   const float *restrict p,
+                                                                   const DH_ELEM *restrict v,
+                                                                   int64_t row, int n,
+                                                                   const int D) {
+    float a[MAX_DIM];
+    for (int x = 0; x < D; x++) a[x] = acc[x];
+    for (int t = 0; t < n; t++, v += row) {
+        const float pt = p[t];
+        for (int x = 0; x < D; x++) a[x] += pt * DH_TO_F32(v[x]);
+    }
+    for (int x = 0; x < D; x++) acc[x] = a[x];
+}
+#define DH_PV(DIM)                                                                      \
+    DH_ATTR __attribute__((noinline)) static void DH_NAME(pv_d##DIM)(                   \
+        float *acc, const float *p, const DH_ELEM *v, int64_t row, int n) {             \
+        DH_NAME(pv_body)(acc, p, v, row, n, DIM);                                       \
+    }
+DH_PV(64)
+DH_PV(128)
+#undef DH_PV
+/* D is a constant, 64 or 128 (DH_RUNS below), so the choice folds away. */
+#define DH_PV_CHUNK(acc, p, v, row, n, D) \
+    ((D) == 64 ? DH_NAME(pv_d64)(acc, p, v, row, n) : DH_NAME(pv_d128)(acc, p, v, row, n))
+
+/* Ask for the V elements of a token while its K row is scored, so that P @ V, which walks
+ * the chunk's V rows once per head, finds them in cache: without it the chunk's first pass
+ * over V stalled on memory at every row. One request per 64-byte line; no effect on the
+ * arithmetic. */
+static inline __attribute__((always_inline)) void DH_NAME(prefetch)(const DH_ELEM *v, int n) {
+    const char *p = (const char *)v;
+    for (int64_t c = 0; c < n * (int64_t)sizeof(DH_ELEM); c += 64) __builtin_prefetch(p + c);
+}
+
 /* One (sequence, kv head): its G query heads against the whole context. D, and G where the
  * group is 1, 2, 3 or 4, are constants in the specialised copies below: the compiler unrolls
  * and vectorises the dots, and with G known it keeps the group's loops unrolled (the
@@ -142,12 +183,14 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
         if (n > len - t0) n = len - t0;
         const int64_t base = ((int64_t)table[t0 / BS] * BS + off) * row;
         const DH_ELEM *kr = K + base, *vr = V + base;
-        for (int t = 0; t < n; t++, kr += row)
+        for (int t = 0; t < n; t++, kr += row) {
+            DH_NAME(prefetch)(vr + t * row, nkv * D);
             for (int j = 0; j < nkv; j++)
                 for (int i = 0; i < G; i++) {
                     const int h = j * G + i;
                     s[h][t] = DH_DOT(qs + h * D, qe + h * D, kr + j * D, D, a->scale);
                 }
+        }
         for (int h = 0; h < H; h++) {
             float top = m[h];
             for (int t = 0; t < n; t++) top = s[h][t] > top ? s[h][t] : top;
@@ -161,14 +204,7 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
             m[h] = top;
             for (int x = 0; x < D; x++) acc[h * D + x] *= rescale;
         }
-        for (int t = 0; t < n; t++, vr += row)
-            for (int j = 0; j < nkv; j++)
-                for (int i = 0; i < G; i++) {
-                    const int h = j * G + i;
-                    const float p = s[h][t];
-                    const DH_ELEM *vh = vr + j * D;
-                    for (int x = 0; x < D; x++) acc[h * D + x] += p * DH_TO_F32(vh[x]);
-                }
+        for (int h = 0; h < H; h++) DH_PV_CHUNK(acc + h * D, s[h], vr + (h / G) * D, row, n, D);
         t0 += n;
     }
     for (int h = 0; h < H; h++) {
@@ -259,5 +295,6 @@ int DH_NAME(decode)(const Args *a) {
 #undef DH_PICK_RUNS
 #undef DH_PICK
 
+#undef DH_PV_CHUNK
 #undef DH_NAME
 #undef DH_ATTR
