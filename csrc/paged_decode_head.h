@@ -21,12 +21,12 @@
  */
 
 /* P @ V of one query head over one chunk, for decode_run: acc[x] += p[t] * v[t * row + x]
- * for the chunk's n tokens in order. Token by token with the head's row of accumulators in
- * registers: one pass over all heads per token, as decode_head does it, loads and stores
- * every accumulator row at every token. The same sums in the same order as decode_head's
- * loop; a body of its own per copy and head dim, never inlined, because inlined into
- * decode_run, GCC (-ffast-math) ordered them its own way and a head's output differed in
- * the last bit from decode_head's (tests/test_cpu_kernel.py compares the two). */
+ * for the chunk's n tokens in order. Head by head, so that the compiler can keep a head's
+ * accumulators in registers over the chunk (one pass over all heads per token, as
+ * decode_head does it, goes through every accumulator row at every token). The same sums
+ * in the same order as decode_head's loop; a body of its own per copy and head dim, never
+ * inlined: inlined into decode_run, GCC (-ffast-math) ordered them its own way, and a
+ * head's output differed in the last bit from decode_head's (tests/test_cpu_kernel.py). */
 static inline __attribute__((always_inline)) void DH_NAME(pv_body)(float *restrict acc,
                                                                    const float *restrict p,
                                                                    const DH_ELEM *restrict v,
@@ -52,10 +52,10 @@ DH_PV(128)
 #define DH_PV_CHUNK(acc, p, v, row, n, D) \
     ((D) == 64 ? DH_NAME(pv_d64)(acc, p, v, row, n) : DH_NAME(pv_d128)(acc, p, v, row, n))
 
-/* Ask for the V elements of a token while its K row is scored, so that P @ V, which walks
- * the chunk's V rows once per head, finds them in cache: without it the chunk's first pass
- * over V stalled on memory at every row. One request per 64-byte line; no effect on the
- * arithmetic. */
+/* Ask for the V elements of a token while its K row is scored, for P @ V, which walks the
+ * chunk's V rows once per head: without it, head-by-head P @ V measured slower than the
+ * token-by-token loop it replaced when the blocks came from memory (docs/performance.md).
+ * One request per 64-byte line; no effect on the arithmetic. */
 static inline __attribute__((always_inline)) void DH_NAME(prefetch)(const DH_ELEM *v, int n) {
     const char *p = (const char *)v;
     for (int64_t c = 0; c < n * (int64_t)sizeof(DH_ELEM); c += 64) __builtin_prefetch(p + c);
