@@ -255,6 +255,10 @@ CPU_MUTANTS: tuple[CpuKernelMutant, ...] = (
         "cpu_decode_run_first_kv_head",
         "an item's run of kv heads scores every head against the run's first kv head's K",
     ),
+    CpuKernelMutant(
+        "cpu_decode_run_pv_wrong_kv_head",
+        "an item's run of kv heads sums each head's P @ V over kv head h % G, not h // G",
+    ),
 )
 
 BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (
