@@ -187,23 +187,38 @@ def test_sigterm_ends_the_streams_and_exits_in_bounded_time(
         httpx.get(url + "/health", timeout=2)
 
 
+@pytest.fixture(scope="module")
+def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with room for 60,000 new tokens: requests no CPU finishes in seconds."""
+    from paged_engine.utils.tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-long") / "model"
+    return make_tiny_model(out, seed=0, max_position_embeddings=LONG_CONTEXT)
+
+
+LONG_CONTEXT = 65536
+
+
 def test_shutdown_under_load_ends_within_its_timeout_and_the_stated_bound(
-    tiny_model_dir: Path,
+    long_context_model_dir: Path,
 ) -> None:
     """Sixteen clients sending request after request (half streamed), each far longer
     than ``--shutdown-timeout``, and one stalled halfway through sending its body: after
     SIGTERM the requests in flight run through the grace period, then end (an error
     event, a 503), and the process exits 0 within the timeout plus ``SHUTDOWN_BOUND_S``
     (the old server waited for the stalled client until the timeout plus 5 s, then spent
-    seconds more in the interpreter's exit)."""
+    seconds more in the interpreter's exit). Each request asks for 60,000 tokens: 1,500
+    (as before) ended within the grace period on a fast CPU (AMD Zen 5), so none was in
+    flight for the shutdown to end."""
     grace = 2.0
-    flags = ["--shutdown-timeout", str(grace), "--max-model-len", "2048"]
-    with serve_process(tiny_model_dir, *flags, "--num-kv-blocks", "4096") as (url, process):
+    flags = ["--shutdown-timeout", str(grace), "--max-model-len", str(LONG_CONTEXT)]
+    flags += ["--num-kv-blocks", "32768"]  # 16 growing contexts are never preempted
+    with serve_process(long_context_model_dir, *flags) as (url, process):
         ends: list[str] = []
         stop = threading.Event()
 
         def streamer(i: int) -> None:
-            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 1500}
+            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 60_000}
             body |= {"ignore_eos": True, "stream": True}
             while not stop.is_set():
                 try:
@@ -213,7 +228,7 @@ def test_shutdown_under_load_ends_within_its_timeout_and_the_stated_bound(
                     time.sleep(0.05)
 
         def plain(i: int) -> None:
-            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 1500}
+            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 60_000}
             body |= {"ignore_eos": True}
             http = httpx.Client(timeout=60)
             while not stop.is_set():
