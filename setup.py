@@ -135,6 +135,7 @@ setup(
             sources=[
                 "csrc/paged_decode_cpu.c",
                 "csrc/paged_decode_bf16.c",
+                "csrc/store_kv_cpu.c",
                 # A second module in the same library (PyInit__fused_ops, PEP 489).
                 "csrc/fused_ops.c",
             ],

@@ -280,6 +280,9 @@ static PyObject *threaded(PyObject *self, PyObject *noargs) {
 #endif
 }
 
+/* store_kv_cpu.c: the step's K/V rows into their pool slots, a method of this module. */
+PyObject *py_store_kv(PyObject *self, PyObject *args);
+
 static PyMethodDef methods[] = {
     {"paged_decode_f32", paged_decode_f32, METH_VARARGS,
      "paged_decode_f32(q, k, v, tables, lens, out, q_stride_b, q_stride_h, out_stride_b, "
@@ -290,6 +293,10 @@ static PyMethodDef methods[] = {
     {"paged_decode_bf16", paged_decode_bf16, METH_VARARGS,
      "paged_decode_bf16(same arguments as paged_decode_f32, then variant: 0 the best, 1 "
      "portable, 2 avx512bf16): bfloat16 q, caches and out."},
+    {"store_kv", py_store_kv, METH_VARARGS,
+     "store_kv(key, key_row_stride, value, value_row_stride, k_cache, v_cache, slots, rows, "
+     "row_bytes, num_slots): int64 slots, strides in bytes, negative slots skipped; returns "
+     "the rows stored. Use paged_engine.kernels.store_kv_cpu."},
     {"bf16_variants", bf16_variants, METH_NOARGS,
      "bf16_variants(): the names of the bfloat16 variants usable here, best first."},
     {"isa_levels", isa_levels, METH_NOARGS,

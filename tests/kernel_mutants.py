@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from paged_engine.kernels import paged_decode_attention as decode_module
-from paged_engine.kernels import paged_decode_cpu
+from paged_engine.kernels import paged_decode_cpu, store_kv_cpu
 from paged_engine.kernels import paged_prefill_attention as prefill_module
 from paged_engine.kernels.cpu_library import CompiledModule
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
@@ -214,9 +214,11 @@ def build_c_module(
 
 @contextmanager
 def decode_module_bound(module: ModuleType) -> Iterator[None]:
-    """``module`` (a build of csrc/) bound in the decode launcher inside the block."""
+    """``module`` (a build of csrc/) bound in the launchers of its kernels inside the block:
+    the decode kernel's and the store's."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(paged_decode_cpu, "_COMPILED", CompiledModule.of(module))
+        mp.setattr(store_kv_cpu, "_COMPILED", CompiledModule.of(module))
         yield
 
 
@@ -273,6 +275,16 @@ BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (
 """Precision bugs: identical to the real kernel in float32, wrong only in bfloat16 (each
 rounds through the kernel's own element conversions, the identity in float32)."""
 
+STORE_MUTANTS: tuple[CpuKernelMutant, ...] = (
+    CpuKernelMutant(
+        "cpu_store_kv_drops_last_row",
+        "the store's copy loop stops one row early: the step's last token never reaches the pool",
+        kind="store",
+    ),
+)
+"""Bugs in the compiled store (csrc/store_kv_cpu.c): tests/test_store_kv_cpu.py compares
+it with ``store_kv_ref``, and the attention machine runs it through ``CpuMutantBackend``."""
+
 THREAD_MUTANTS: tuple[CpuKernelMutant, ...] = (
     CpuKernelMutant(
         "threads_skip_last_item",
@@ -288,8 +300,8 @@ tests/test_cpu_kernel_threads.py's checks (tests/test_cpu_kernel_threads_build.p
 
 
 class CpuMutantBackend(CpuAttentionBackend):
-    """The CPU backend, its decode steps on ``mutant``'s kernel (its ``bf16_variant`` in
-    bfloat16) through the backend's own per-step checks and launch."""
+    """The CPU backend, its decode steps (its ``bf16_variant`` in bfloat16) and its store on
+    ``mutant``'s build, through the backend's own per-step checks and launches."""
 
     def __init__(
         self,
@@ -305,3 +317,7 @@ class CpuMutantBackend(CpuAttentionBackend):
     def attend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         with self.mutant.active():
             return super().attend(*args, **kwargs)
+
+    def store_kv(self, *args: Any, **kwargs: Any) -> None:
+        with self.mutant.active():
+            super().store_kv(*args, **kwargs)

@@ -55,6 +55,7 @@ from tests.kernel_mutants import (
     CPU_MUTANTS,
     MUTANTS,
     PREFILL_MUTANTS,
+    STORE_MUTANTS,
     CpuKernelMutant,
     CpuMutantBackend,
     KernelMutant,
@@ -258,13 +259,17 @@ def test_real_cascade_passes_the_same_hunt() -> None:
 RUNS = Geometry(num_kv_heads=2, group=2, head_dim=64)
 
 
-@pytest.mark.parametrize("mutant", CPU_MUTANTS, ids=[m.name for m in CPU_MUTANTS])
+@pytest.mark.parametrize(
+    "mutant", (*CPU_MUTANTS, *STORE_MUTANTS), ids=[m.name for m in (*CPU_MUTANTS, *STORE_MUTANTS)]
+)
 def test_machine_catches_cpu_kernel_mutant(mutant: CpuKernelMutant) -> None:
     factory = functools.partial(CpuMutantBackend, mutant)
     lanes = (Lane(f"mutant-{mutant.name}", factory, FP32),)
     # also 2 KV heads of 64, where the kernel's items take a run of KV heads (csrc's run_span)
     config = MachineConfig(lanes=lanes, geometries=(*MachineConfig(lanes).geometries, RUNS))
-    with pytest.raises(AssertionError, match="differs from naive attention"):
+    # a store mutant is caught by the machine's check of the pool after each store
+    caught = "store_kv did not write" if mutant.kind == "store" else "differs from naive attention"
+    with pytest.raises(AssertionError, match=caught):
         run_state_machine_as_test(make_machine(config), settings=HUNT)
 
 

@@ -57,6 +57,7 @@ from tests.kernel_mutants import (
     CPU_MUTANTS,
     MUTANTS,
     PREFILL_MUTANTS,
+    STORE_MUTANTS,
     THREAD_MUTANTS,
     CpuKernelMutant,
     KernelMutant,
@@ -265,7 +266,7 @@ def test_each_mutant_disagrees_with_ref_on_some_layout(mutant: CpuKernelMutant) 
 def test_every_patch_file_is_a_listed_mutant_and_back() -> None:
     """A patch file no mutant names would never run; a mutant without one fails alone."""
     listed = (*MUTANTS, *PREFILL_MUTANTS, *COMPILE_MUTANTS, *CPU_MUTANTS, *BF16_MUTANTS)
-    names = [m.name for m in (*listed, *THREAD_MUTANTS)]
+    names = [m.name for m in (*listed, *STORE_MUTANTS, *THREAD_MUTANTS)]
     assert len(names) == len(set(names))
     assert set(names) == {p.stem for p in kernel_mutants.PATCH_DIR.glob("*.patch")}
     fused = [m.name for m in fused_mutants.MUTANTS]

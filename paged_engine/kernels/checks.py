@@ -35,6 +35,41 @@ def check_kv_caches(what: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     return tuple(k_cache.shape)
 
 
+def check_store_layout(
+    what: str,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[int, ...]:
+    """A store's rows against its caches (``check_kv_caches``' shape, returned): ``key`` and
+    ``value`` ``[N, kv_heads, head_dim]`` of the cache's dtype, unit stride on the last dim,
+    and a 1-D ``slot_mapping`` of ``N`` slots. Its dtype is each launcher's to check."""
+    shape = check_kv_caches(what, k_cache, v_cache)
+    num_kv_heads, head_dim = shape[2], shape[3]
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{what}: {name} must be [N, {num_kv_heads}, {head_dim}] to match the cache, "
+                f"got {tuple(t.shape)}"
+            )
+        if t.stride(2) != 1 and head_dim > 1:
+            raise ValueError(
+                f"{what}: {name} must have unit stride on its last dim, got strides {t.stride()}"
+            )
+        if t.dtype != k_cache.dtype:
+            raise ValueError(f"{what}: {name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
+    if value.shape != key.shape:
+        raise ValueError(f"{what}: value shape {tuple(value.shape)} != key {tuple(key.shape)}")
+    num_tokens = key.shape[0]
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"{what}: slot_mapping must have shape [{num_tokens}], got {tuple(slot_mapping.shape)}"
+        )
+    return shape
+
+
 def check_int_vector(
     what: str, name: str, t: torch.Tensor, length: int, dtype: torch.dtype
 ) -> None:

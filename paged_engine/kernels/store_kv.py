@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from paged_engine.kernels.checks import check_kv_caches
+from paged_engine.kernels.checks import check_store_layout
 from paged_engine.kernels.decode_plan import next_power_of_2
 from paged_engine.kernels.launch import KernelLaunch, run_launches
 
@@ -150,26 +150,7 @@ def check_store_kv(
 ) -> None:
     """``store_kv``'s argument checks (see there); raises ValueError naming the problem."""
     what = "store_kv"
-    _, _, num_kv_heads, head_dim = check_kv_caches(what, k_cache, v_cache)
-    for name, t in (("key", key), ("value", value)):
-        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"{what}: {name} must be [N, {num_kv_heads}, {head_dim}] to match the cache, "
-                f"got {tuple(t.shape)}"
-            )
-        if t.stride(2) != 1 and head_dim > 1:
-            raise ValueError(
-                f"{what}: {name} must have unit stride on its last dim, got strides {t.stride()}"
-            )
-        if t.dtype != k_cache.dtype:
-            raise ValueError(f"{what}: {name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
-    if value.shape != key.shape:
-        raise ValueError(f"{what}: value shape {tuple(value.shape)} != key {tuple(key.shape)}")
-    num_tokens = key.shape[0]
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
-        raise ValueError(
-            f"{what}: slot_mapping must have shape [{num_tokens}], got {tuple(slot_mapping.shape)}"
-        )
+    check_store_layout(what, key, value, k_cache, v_cache, slot_mapping)
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{what}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     check_dtype(_store_kv_kernel, what, k_cache.dtype)

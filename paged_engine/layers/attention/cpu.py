@@ -4,8 +4,10 @@ A decode step (one new token per sequence), which is most of a generation's step
 ``paged_decode_attention_cpu``: each context read once, straight from the paged pool, with
 an online softmax, instead of torch's gather-then-attend. float32 and bfloat16 caches alike
 (bfloat16 with AVX512-BF16 dot products where the CPU has them, float32 arithmetic
-throughout). Everything else (prefill, a cache-less warm-up, a dtype or head layout the
-kernel lacks) is the torch backend's path, unchanged.
+throughout). The step's new K/V rows go into the pool through the compiled row copy
+(``store_kv_cpu``) instead of torch's element-wise ``index_copy_``. Everything else (prefill
+attention, a cache-less warm-up, a dtype or head layout the kernel lacks) is the torch
+backend's path, unchanged.
 
 The launcher's shape, stride and dtype checks would be paid by every layer of every decode
 step, in Python, for arguments laid out alike; they run once per step and argument layout
@@ -25,6 +27,7 @@ from paged_engine.kernels.paged_decode_cpu import (
     geometry_problem,
     run_paged_decode_cpu,
 )
+from paged_engine.kernels.store_kv_cpu import check_store_kv_cpu, run_store_kv_cpu
 from paged_engine.layers.attention.base import AttentionMetadata
 from paged_engine.layers.attention.kernel_base import StepMemo
 from paged_engine.layers.attention.requirements import cpu_problem
@@ -73,6 +76,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(block_size, dtype, shared_prefix_min_tokens=None)
         self.bf16_variant = bf16_variant
         self._checks = StepMemo()
+        self._store_checks = StepMemo()  # its own: a step's store and decode key differently
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        meta: AttentionMetadata | None = None,
+    ) -> None:
+        """The compiled row copy, checked once per step and argument layout; the torch
+        backend's store where the rows' dtype is not the cache's (it converts them)."""
+        if k_cache.numel() == 0 or key.dtype != k_cache.dtype:
+            super().store_kv(key, value, k_cache, v_cache, slot_mapping, meta)
+            return
+        key_layout = _layout(key, value, k_cache, v_cache, slot_mapping)
+        launch = self._store_checks.get(
+            slot_mapping if meta is None else meta,
+            key_layout,
+            lambda: check_store_kv_cpu(key, value, k_cache, v_cache, slot_mapping),
+        )
+        run_store_kv_cpu(launch, key, value, k_cache, v_cache, slot_mapping)
 
     def _decode_checked_per_step(
         self,
