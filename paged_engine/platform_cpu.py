@@ -64,14 +64,20 @@ class CpuInfo:
         """The compiled kernels' instruction-set levels this CPU runs, best first: the
         x86-64 levels whose every flag it reports (on x86-64 only), then "baseline",
         which runs everywhere."""
-        x86 = self.architecture in ("x86_64", "AMD64")
-        runs = tuple(name for name, need in ISA_LEVELS.items() if x86 and self.has(need))
-        return (*runs, "baseline")
+        return _isa_levels(self.architecture, self.flags)
 
     @property
     def bf16_features(self) -> tuple[str, ...]:
         """Which of ``BF16_MATRIX_FLAGS`` this CPU has."""
         return tuple(f for f in BF16_MATRIX_FLAGS if f in self.flags)
+
+
+@cache
+def _isa_levels(architecture: str, flags: frozenset[str]) -> tuple[str, ...]:
+    """``CpuInfo.isa_levels``, kept per CPU description: every fused op's launch asks."""
+    x86 = architecture in ("x86_64", "AMD64")
+    runs = tuple(name for name, need in ISA_LEVELS.items() if x86 and need <= flags)
+    return (*runs, "baseline")
 
 
 def read_cpu_info(path: Path = CPUINFO, architecture: str | None = None) -> CpuInfo:
