@@ -1,9 +1,9 @@
 """Launcher for the compiled CPU store (``csrc/store_kv_cpu.c``): one step's new K/V rows
 into their pool slots, one row copy each.
 
-Why: the torch backend's store, ``index_copy_``, copies element by element on the CPU; a
-prefill step stores hundreds of rows per layer, and the copy took a few percent of a
-generation (bench/test_store_kv_bench.py measures both side by side).
+Why: the torch backend's store, ``index_copy_``, copies element by element on the CPU, and
+a prefill step stores hundreds of rows per layer (bench/test_store_kv_bench.py measures
+both side by side).
 
 The C code copies raw bytes, so everything it could misread is checked here first: shapes,
 dtypes, devices and strides, once per step and argument layout (``check_store_kv_cpu``
