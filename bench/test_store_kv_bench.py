@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from bench.test_fused_ops_bench import measure
+from bench.test_fused_ops_bench import measure, one_thread  # noqa: F401  (autouse: 1 thread)
 from paged_engine.kernels.paged_decode_cpu import cpu_kernels_problem
 from paged_engine.layers.attention.base import make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
@@ -34,14 +33,6 @@ pytestmark = pytest.mark.skipif(cpu_kernels_problem() is not None, reason="no co
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, POOL_BLOCKS = 8, 4, 64, 32, 2048
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def step_meta(rows: int, decode: bool, rng: random.Random) -> Any:

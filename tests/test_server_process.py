@@ -187,6 +187,9 @@ def test_sigterm_ends_the_streams_and_exits_in_bounded_time(
         httpx.get(url + "/health", timeout=2)
 
 
+LONG_CONTEXT = 65536
+
+
 @pytest.fixture(scope="module")
 def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with room for 60,000 new tokens: requests no CPU finishes in seconds."""
@@ -194,9 +197,6 @@ def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("tiny-long") / "model"
     return make_tiny_model(out, seed=0, max_position_embeddings=LONG_CONTEXT)
-
-
-LONG_CONTEXT = 65536
 
 
 def test_shutdown_under_load_ends_within_its_timeout_and_the_stated_bound(

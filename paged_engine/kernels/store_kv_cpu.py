@@ -59,8 +59,8 @@ def check_store_kv_cpu(
     num_blocks, block_size, num_kv_heads, head_dim = check_store_layout(
         what, key, value, k_cache, v_cache, slot_mapping
     )
-    named = {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache}
-    for name, t in (*named.items(), ("slot_mapping", slot_mapping)):
+    names = ("key", "value", "k_cache", "v_cache", "slot_mapping")
+    for name, t in zip(names, (key, value, k_cache, v_cache, slot_mapping), strict=True):
         if t.device.type != "cpu":
             raise ValueError(f"{what}: {name} must be on the CPU, got {t.device}")
     if slot_mapping.dtype != torch.int64:
