@@ -7,7 +7,8 @@
  *   launcher picks the level, as for the float32 kernel). No v4 copy: AVX-512 CPUs with
  *   bfloat16 instructions take the avx512 variant, and no v4 copy was measured.
  * - avx512: the Q.K dot products with AVX512-BF16's VDPBF16PS, which multiplies bfloat16
- *   pairs exactly and accumulates in float32 (32 products per instruction, no widening).
+ *   pairs exactly and accumulates in float32 (32 products per instruction, no widening);
+ *   each dot's 16 lanes are added up together with 15 other tokens' (sum16).
  *   Compiled for that target alone (a pragma, not a global -march flag), so the build runs
  *   anywhere; decode_bf16_avx512_usable() asks the CPU before it is ever called. The
  *   dispatcher (paged_decode_cpu.c) takes it for head_dim >= 32 only.
@@ -73,10 +74,30 @@ Kernel decode_bf16_portable_level(int isa) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 #include <immintrin.h>
 
-/* 32 bfloat16 pairs per VDPBF16PS into 16 float32 lanes; a masked load takes a tail of
- * fewer than 32 elements (reading nothing past the row), then one horizontal sum. */
-static inline __attribute__((always_inline)) float dot_dpbf16(const uint16_t *q,
-                                                              const uint16_t *k, int D) {
+/* The lane sums of 16 vectors as one vector: lane 4k + l of the result is the sum of v[4l + k]
+ * (a 4 x 4 transpose, which sums_dpbf16 undoes by where it puts each token). Four rounds,
+ * each adding two shuffles of a pair: 15 additions and 30 shuffles for 16 sums, where 16
+ * horizontal sums take about 4 shuffles and 4 additions each. Each lane's sum is the same
+ * tree whatever the other vectors hold: lanes i and i + 8, then + 4, + 2, + 1. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+    __m512 c[8], e[4], g[2];
+    for (int p = 0; p < 8; p++) /* blocks of 4 lanes: v[2p]'s halves folded, then v[2p+1]'s */
+        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int r = 0; r < 4; r++) /* block j: the vector 4r + j, folded to 4 lanes */
+        e[r] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * r], c[2 * r + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * r], c[2 * r + 1], 0xDD));
+    for (int w = 0; w < 2; w++) /* in block j, lanes 0-1: vector 8w + j, lanes 2-3: 8w + 4 + j */
+        g[w] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * w], e[2 * w + 1], 0x44),
+                             _mm512_shuffle_ps(e[2 * w], e[2 * w + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+}
+
+/* One head's dot product against one K row, unfinished: 32 bfloat16 pairs per VDPBF16PS
+ * into 16 float32 lanes, a masked load for a tail of fewer than 32 elements (reading
+ * nothing past the row); sums_dpbf16 adds the lanes up, 16 tokens' at once. */
+static inline __attribute__((always_inline)) __m512 part_dpbf16(const uint16_t *q,
+                                                                const uint16_t *k, int D) {
     __m512 acc = _mm512_setzero_ps();
     int x = 0;
     for (; x + 32 <= D; x += 32)
@@ -87,16 +108,36 @@ static inline __attribute__((always_inline)) float dot_dpbf16(const uint16_t *q,
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(tail, q + x),
                                (__m512bh)_mm512_maskz_loadu_epi16(tail, k + x));
     }
-    return _mm512_reduce_add_ps(acc);
+    return acc;
 }
 
-#undef DH_DOT
-#define DH_DOT(qs, qe, k, D, scale) (dot_dpbf16(qe, k, D) * (scale))
+/* n <= 16 tokens' scores from their unfinished dots: sum16 over them (zeros past n, never
+ * stored), each put where sum16's transpose brings its sum back to lane u. */
+static inline __attribute__((always_inline)) void sums_dpbf16(const __m512 *parts, int n,
+                                                              float scale, float *out) {
+    __m512 v[16];
+    for (int p = 0; p < 16; p++) {
+        const int u = 4 * (p % 4) + p / 4; /* the token whose sum lands in lane u */
+        v[p] = u < n ? parts[u] : _mm512_setzero_ps();
+    }
+    const __m512 sums = _mm512_mul_ps(sum16(v), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1u), sums);
+}
+
+#undef DH_DOT /* unused: DH_PART scores */
+#define DH_PART __m512
+#define DH_PARTS_N 16
+#define DH_PART_DOT(qe, k, D) part_dpbf16(qe, k, D)
+#define DH_PART_SUMS(parts, n, scale, out) sums_dpbf16(parts, n, scale, out)
 #define DH_RAW_Q
 #define DH_NAME(x) x##_bf16_avx512
 #define DH_ATTR
 #include "paged_decode_head.h"
 #undef DH_RAW_Q
+#undef DH_PART
+#undef DH_PARTS_N
+#undef DH_PART_DOT
+#undef DH_PART_SUMS
 
 #pragma GCC pop_options
 #endif

@@ -275,6 +275,15 @@ BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (
 """Precision bugs: identical to the real kernel in float32, wrong only in bfloat16 (each
 rounds through the kernel's own element conversions, the identity in float32)."""
 
+AVX512_BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (
+    CpuKernelMutant(
+        "cpu_decode_bf16_sum16_order",
+        "the AVX512-BF16 copy's batched horizontal sums put each token's score in another "
+        "token's place (sum16's transpose not undone)",
+    ),
+)
+"""Bugs in the AVX512-BF16 copy's own code: the portable copies are untouched."""
+
 STORE_MUTANTS: tuple[CpuKernelMutant, ...] = (
     CpuKernelMutant(
         "cpu_store_kv_drops_last_row",

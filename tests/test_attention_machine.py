@@ -51,6 +51,7 @@ from paged_engine.layers.cascade import CascadePlan
 from tests.attention_machine import BackendFactory, Geometry, Lane, MachineConfig, make_machine
 from tests.cascade_mutants import CASCADE_MUTANTS, CascadeMutant, CascadeMutantBackend
 from tests.kernel_mutants import (
+    AVX512_BF16_MUTANTS,
     BF16_MUTANTS,
     CPU_MUTANTS,
     MUTANTS,
@@ -307,6 +308,15 @@ def test_machine_catches_cpu_bf16_precision_mutant(mutant: CpuKernelMutant, vari
     config = MachineConfig(
         lanes=(Lane(f"mutant-{mutant.name}-{variant}", factory, BF16, one_rounding=True),)
     )
+    with pytest.raises(AssertionError, match="differs from naive attention"):
+        run_state_machine_as_test(make_machine(config), settings=HUNT)
+
+
+@pytest.mark.skipif("avx512bf16" not in BF16_LANE_VARIANTS, reason="no AVX512-BF16 copy here")
+@pytest.mark.parametrize("mutant", AVX512_BF16_MUTANTS, ids=[m.name for m in AVX512_BF16_MUTANTS])
+def test_machine_catches_cpu_avx512_bf16_mutant(mutant: CpuKernelMutant) -> None:
+    factory = functools.partial(CpuMutantBackend, mutant, bf16_variant="avx512bf16")
+    config = MachineConfig(lanes=(Lane(f"mutant-{mutant.name}", factory, BF16, one_rounding=True),))
     with pytest.raises(AssertionError, match="differs from naive attention"):
         run_state_machine_as_test(make_machine(config), settings=HUNT)
 

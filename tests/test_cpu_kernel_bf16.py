@@ -37,6 +37,7 @@ from paged_engine.layers.attention import make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from tests.kernel_cases import DECODE_CASES, Case, Tensors, cpu_id, decode_case, make_tensors
 from tests.kernel_mutants import (
+    AVX512_BF16_MUTANTS,
     BF16_MUTANTS,
     CpuKernelMutant,
     build_c_module,
@@ -237,6 +238,23 @@ def test_each_precision_mutant_is_caught_in_bf16_and_harmless_in_fp32(
     t = make_tensors(DECODE_CASES[0], CPU)
     args = (t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens, t.scale)
     assert torch.equal(mutant.launch(*args), paged_decode_attention_cpu(*args))
+
+
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason=NO_AVX512_BF16)
+@pytest.mark.parametrize("mutant", AVX512_BF16_MUTANTS, ids=[m.name for m in AVX512_BF16_MUTANTS])
+def test_each_avx512_mutant_is_caught_there_and_leaves_the_portable_copy_alone(
+    mutant: CpuKernelMutant,
+) -> None:
+    caught = []
+    for case in DECODE_CASES:
+        t = bf16(case)
+        if not torch.allclose(
+            launch(t, "avx512bf16", mutant.launch).float(), exact(t), **ONE_ROUNDING
+        ):
+            caught.append(cpu_id(case))
+    assert caught, f"no layout catches {mutant.name} ({mutant.bug})"
+    t = bf16(DECODE_CASES[0])
+    assert torch.equal(launch(t, "portable", mutant.launch), launch(t, "portable"))
 
 
 # ---- the backend: bfloat16 decode, checks once per step --------------------------------------
