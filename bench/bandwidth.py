@@ -3,22 +3,23 @@
 in a fresh interpreter and records the figures).
 
 * ``stream``: a STREAM-like read of a float32 buffer far larger than the last-level cache
-  (``STREAM_BYTES``), reduced by ``torch.sum`` and by ``numpy.sum``, at 1 thread and at
-  every usable CPU; GB/s = bytes / seconds of one pass (1 GB = 1e9 bytes). Where the
-  kernel allows huge pages, each reader also reads a copy on huge pages (``_huge``). The
-  machine's read bandwidth at a thread count is the best of the readers and buffers.
+  (``STREAM_BYTES``, or ``LLC_MULTIPLE`` times the cache where that is more), reduced by
+  ``torch.sum`` and by ``numpy.sum``, at 1 thread and at every usable CPU; GB/s = bytes /
+  seconds of one pass (1 GB = 1e9 bytes). Where the kernel allows huge pages, each reader
+  also reads a copy on huge pages (``_huge``). The machine's read bandwidth at a thread
+  count is the best of the readers and buffers.
 * ``decode``: ``run_paged_decode_cpu`` (checks made once, as a step makes them) for
   ``batch`` sequences of ``context`` tokens in 16-token blocks (the engine's default), the
   29M model's heads (8 query / 4 KV heads, head_dim 64) and SmolLM2-135M's (9 / 3, head_dim
-  64; cells named ``smollm2_...``), float32 and bfloat16. Bytes per
-  call = the K and V rows the contexts cover, ``2 * batch * context * kv_heads * head_dim *
-  itemsize`` (the query, tables and output are below 1% of it and not counted). ``cold``:
-  each call reads the next copy of the batch's blocks, shuffled over a pool of at least
-  ``COLD_BYTES`` (8x the last-level cache here), so every call streams from memory as one
-  layer of a real step does (the model's weights evict the cache between layers);
+  64; cells named ``smollm2_...``), float32 and bfloat16. Bytes per call = the K and V rows
+  the contexts cover, ``2 * batch * context * kv_heads * head_dim * itemsize`` (the query,
+  tables and output are below 1% of it and not counted). ``cold``: each call reads the next
+  copy of the batch's blocks, shuffled over a pool of at least ``COLD_BYTES`` (8x a 32 MiB
+  last-level cache; ``LLC_MULTIPLE`` times a larger one), so every call streams from memory
+  as one layer of a real step does (the model's weights evict the cache between layers);
   ``ordered``: the same, but each copy's blocks consecutive in the pool, sequence after
-  sequence (the best case for the hardware prefetcher: what the block tables' jumps cost
-  is cold against ordered); ``hot``: the same blocks every call (cached where they fit: a
+  sequence (the best case for the hardware prefetcher: what the block tables' jumps cost is
+  cold against ordered); ``hot``: the same blocks every call (cached where they fit: a
   ceiling on what the kernel's arithmetic allows). The fraction is cold (and ordered) GB/s
   over the machine's read bandwidth at the same thread count.
 * ``_huge`` (``cold_huge``, ``ordered_huge``): the same calls over a second pool allocated
@@ -63,9 +64,12 @@ from paged_engine.kernels.paged_decode_cpu import (
 )
 
 STREAM_BYTES = 512 * 2**20
-"""The stream buffer: 16x a 32 MiB last-level cache."""
+"""The least stream buffer (16x a 32 MiB last-level cache; ``sized`` takes more for more)."""
 COLD_BYTES = 256 * 2**20
 """The least K+V a cold decode cell rotates over (8x a 32 MiB last-level cache)."""
+LLC_MULTIPLE = 4
+"""Where the CPU reports a larger last-level cache, both are at least this many times it: a
+VM on a 480 MiB-L3 Xeon held 256 MiB pools in cache, and read "cold" blocks from it."""
 BLOCK_SIZE = 16
 BATCHES = (8, 32)
 CONTEXTS = (128, 512)
@@ -75,6 +79,24 @@ GEOMETRIES: dict[str, dict[str, int]] = {
 }
 """Attention geometries, by the prefix of their cells' names: the 29M model's (8 query / 4
 KV heads of 64) and SmolLM2-135M's (9 / 3 of 64; the real model bench-vllm runs)."""
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The largest cache sysfs reports for CPU 0, bytes (None where there is none to read)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for path in root.glob("index*/size"):
+        text = path.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=None)
+
+
+def sized(least: int, llc: int | None) -> int:
+    """``least`` bytes, or ``LLC_MULTIPLE`` last-level caches where that is more."""
+    return max(least, LLC_MULTIPLE * llc) if llc else least
 
 
 def usable_threads() -> int:
@@ -237,13 +259,15 @@ def decode_cell(
 def measure(rounds: int, quick: bool = False) -> dict[str, Any]:
     """Every figure (see the module); ``quick``: a small buffer and pool, few calls (a smoke
     run whose figures mean nothing)."""
-    cold_bytes = 4 * 2**20 if quick else COLD_BYTES
+    llc = last_level_cache_bytes()
+    cold_bytes = 4 * 2**20 if quick else sized(COLD_BYTES, llc)
     result: dict[str, Any] = {
         "threads": list(thread_counts()),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_supported": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "bf16_variants": list(bf16_variants()),
-        "stream_bytes": 8 * 2**20 if quick else STREAM_BYTES,
+        "llc_bytes": llc,
+        "stream_bytes": 8 * 2**20 if quick else sized(STREAM_BYTES, llc),
         "cold_bytes": cold_bytes,
         "thp_mode": transparent_huge_pages(),
         "load_avg_before": round(os.getloadavg()[0], 2),
