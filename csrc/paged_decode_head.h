@@ -202,8 +202,8 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
         const DH_ELEM *kr = K + base, *vr = V + base;
 #ifdef DH_PART
         /* The next chunk's K rows, asked for token by token while this chunk's are scored:
-         * in this copy only, the one measured with it (Intel, AVX512-BF16: 2-5% faster calls
-         * from memory; on Zen 3 the float32 copy was slower with it, docs/performance.md). */
+         * in this copy only, the one measured faster with it (on Zen 3 the float32 copy was
+         * slower with it; both in docs/performance.md). */
         const DH_ELEM *next = NULL;
         if (t0 + n < len) {
             const int t1 = t0 + n;
