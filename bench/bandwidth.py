@@ -57,11 +57,13 @@ import torch
 
 from bench.huge_pages import advise_huge_pages, huge_pages_usable, transparent_huge_pages
 from bench.models import MODELS
+from paged_engine import platform
 from paged_engine.kernels.paged_decode_cpu import (
     bf16_variants,
     check_paged_decode_cpu,
     run_paged_decode_cpu,
 )
+from paged_engine.platform_cgroup import read_text
 
 STREAM_BYTES = 512 * 2**20
 """The least stream buffer (16x a 32 MiB last-level cache; ``sized`` takes more for more)."""
@@ -81,12 +83,14 @@ GEOMETRIES: dict[str, dict[str, int]] = {
 KV heads of 64) and SmolLM2-135M's (9 / 3 of 64; the real model bench-vllm runs)."""
 
 
-def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
-    """The largest cache sysfs reports for CPU 0, bytes (None where there is none to read)."""
+def last_level_cache_bytes(root: Path | None = None) -> int | None:
+    """The largest cache sysfs reports for CPU 0 (``root``: its ``cache`` directory, by
+    default under ``platform.SYS_CPU``), bytes; None where there is none to read."""
+    root = root or platform.SYS_CPU / "cpu0" / "cache"
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     sizes = []
     for path in root.glob("index*/size"):
-        text = path.read_text().strip()
+        text = read_text(path) or ""
         if text[:-1].isdigit() and text[-1] in units:
             sizes.append(int(text[:-1]) * units[text[-1]])
         elif text.isdigit():

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.bandwidth import COLD_BYTES, STREAM_BYTES, last_level_cache_bytes, sized
+from paged_engine import platform
 
 
 def fake_caches(root: Path, sizes: dict[str, str]) -> Path:
@@ -20,6 +23,15 @@ def test_the_largest_cache_is_the_last_level(tmp_path: Path) -> None:
     assert last_level_cache_bytes(root) == 491520 * 1024
     assert last_level_cache_bytes(fake_caches(tmp_path / "m", {"index3": "32M"})) == 32 * 2**20
     assert last_level_cache_bytes(tmp_path / "none") is None
+
+
+def test_reads_cpu0_under_the_platform_probes_root_and_skips_unreadable_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_caches(tmp_path / "cpu0" / "cache", {"index0": "48K", "index3": "32768K"})
+    (tmp_path / "cpu0" / "cache" / "index4" / "size").mkdir(parents=True)  # unreadable
+    monkeypatch.setattr(platform, "SYS_CPU", tmp_path)
+    assert last_level_cache_bytes() == 32 * 2**20
 
 
 def test_buffers_outgrow_a_large_cache_and_keep_their_floor() -> None:

@@ -204,17 +204,17 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
         /* The next chunk's K rows, asked for token by token while this chunk's are scored:
          * in this copy only, the one measured faster with it (on Zen 3 the float32 copy was
          * slower with it; both in docs/performance.md). */
-        const DH_ELEM *next = NULL;
-        if (t0 + n < len) {
-            const int t1 = t0 + n;
-            next = K + ((int64_t)table[t1 / BS] * BS + t1 % BS) * row;
-        }
+        const int t1 = t0 + n;
+        int n1 = t1 < len ? BS - t1 % BS : 0; /* the next chunk's tokens, as n above */
+        if (n1 > CHUNK) n1 = CHUNK;
+        if (n1 > len - t1) n1 = len - t1;
+        const DH_ELEM *next = n1 ? K + ((int64_t)table[t1 / BS] * BS + t1 % BS) * row : NULL;
         for (int t = 0; t < n; t += DH_PARTS_N) {
             const int m = n - t < DH_PARTS_N ? n - t : DH_PARTS_N;
             DH_PART part[ITEM_MAX_HEADS][DH_PARTS_N];
             for (int u = 0; u < m; u++, kr += row) {
                 DH_NAME(prefetch)(vr + (t + u) * row, nkv * D);
-                if (next) DH_NAME(prefetch)(next + (t + u) * row, nkv * D);
+                if (t + u < n1) DH_NAME(prefetch)(next + (t + u) * row, nkv * D);
                 for (int j = 0; j < nkv; j++)
                     for (int i = 0; i < G; i++)
                         part[j * G + i][u] = DH_PART_DOT(qe + (j * G + i) * D, kr + j * D, D);
