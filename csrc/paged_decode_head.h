@@ -21,6 +21,12 @@
  *                   DH_PART); DH_PART_SUMS(parts, n, scale, out) finishes n <= DH_PARTS_N of
  *                   them into out[0 .. n), times scale, each score's bits independent of n
  *                   and of the others. The K rows are still read token after token.
+ *   DH_PV_GROUP     optional: DH_PV_GROUP(acc, acc_stride, p, v, row, n, D, G) does a chunk's
+ *                   P @ V for the G query heads of one kv head together (acc row i at
+ *                   acc + i * acc_stride, p[i] its probabilities), each accumulator
+ *                   element's sum in the template's order (token after token, one fused
+ *                   multiply-add each), for D a multiple of 64 and G <= 4 (decode_head
+ *                   keeps its own loop for the rest).
  *
  * Precision, every variant: q and K/V are read as given, every product, the scores, the
  * softmax (max, exponentials, sum) and the P @ V accumulator are float32; the output is
@@ -52,8 +58,10 @@ static inline __attribute__((always_inline)) void DH_NAME(pv_body)(float *restri
         float *acc, const float *p, const DH_ELEM *v, int64_t row, int n) {             \
         DH_NAME(pv_body)(acc, p, v, row, n, DIM);                                       \
     }
+#ifndef DH_PV_GROUP /* decode_run's P @ V is DH_PV_GROUP's where it is defined */
 DH_PV(64)
 DH_PV(128)
+#endif
 #undef DH_PV
 /* D is a constant, 64 or 128 (DH_RUNS below), so the choice folds away. */
 #define DH_PV_CHUNK(acc, p, v, row, n, D) \
@@ -137,6 +145,11 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
             m[i] = top;
             for (int x = 0; x < D; x++) acc[i][x] *= rescale;
         }
+#ifdef DH_PV_GROUP
+        if (D % 64 == 0 && G <= 4)
+            DH_PV_GROUP(&acc[0][0], MAX_DIM, s, vr, row, n, D, G);
+        else
+#endif
         for (int t = 0; t < n; t++, vr += row)
             for (int i = 0; i < G; i++) {
                 const float p = s[i][t];
@@ -244,7 +257,12 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
             m[h] = top;
             for (int x = 0; x < D; x++) acc[h * D + x] *= rescale;
         }
+#ifdef DH_PV_GROUP
+        for (int j = 0; j < nkv; j++) /* kv head j: item heads j * G .. j * G + G - 1 */
+            DH_PV_GROUP(acc + j * G * D, D, s + j * G, vr + j * D, row, n, D, G);
+#else
         for (int h = 0; h < H; h++) DH_PV_CHUNK(acc + h * D, s[h], vr + (h / G) * D, row, n, D);
+#endif
         t0 += n;
     }
     for (int h = 0; h < H; h++) {

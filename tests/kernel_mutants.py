@@ -281,6 +281,11 @@ AVX512_BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (
         "the AVX512-BF16 copy's batched horizontal sums put each token's score in another "
         "token's place (sum16's transpose not undone)",
     ),
+    CpuKernelMutant(
+        "cpu_decode_bf16_pv_group_first_head",
+        "the AVX512-BF16 copy's grouped P @ V weights every head of a GQA group with the "
+        "first head's probabilities",
+    ),
 )
 """Bugs in the AVX512-BF16 copy's own code: the portable copies are untouched."""
 

@@ -288,6 +288,9 @@ def cpu_bf16_lane(variant: str) -> Lane:
 
 
 BF16_LANE_VARIANTS = bf16_variants()
+CPU_BF16_GEOMETRIES = (*MachineConfig(()).geometries, RUNS)
+"""With RUNS, a head dim that is a multiple of 64: there the AVX512-BF16 copy does a GQA
+group's P @ V together (csrc/paged_decode_bf16.c's pv_group_avx512)."""
 
 
 def test_cpu_bf16_machine() -> None:
@@ -296,7 +299,7 @@ def test_cpu_bf16_machine() -> None:
     dtype tolerance (~4 s)."""
     lanes = (*(cpu_bf16_lane(v) for v in BF16_LANE_VARIANTS), lane("torch", torch_backend, BF16))
     run_state_machine_as_test(
-        make_machine(MachineConfig(lanes=lanes)),
+        make_machine(MachineConfig(lanes=lanes, geometries=CPU_BF16_GEOMETRIES)),
         settings=settings(BASE, max_examples=40, stateful_step_count=40),
     )
 
@@ -316,13 +319,18 @@ def test_machine_catches_cpu_bf16_precision_mutant(mutant: CpuKernelMutant, vari
 @pytest.mark.parametrize("mutant", AVX512_BF16_MUTANTS, ids=[m.name for m in AVX512_BF16_MUTANTS])
 def test_machine_catches_cpu_avx512_bf16_mutant(mutant: CpuKernelMutant) -> None:
     factory = functools.partial(CpuMutantBackend, mutant, bf16_variant="avx512bf16")
-    config = MachineConfig(lanes=(Lane(f"mutant-{mutant.name}", factory, BF16, one_rounding=True),))
+    config = MachineConfig(
+        lanes=(Lane(f"mutant-{mutant.name}", factory, BF16, one_rounding=True),),
+        geometries=CPU_BF16_GEOMETRIES,
+    )
     with pytest.raises(AssertionError, match="differs from naive attention"):
         run_state_machine_as_test(make_machine(config), settings=HUNT)
 
 
 def test_real_cpu_bf16_kernel_passes_the_same_hunt() -> None:
-    config = MachineConfig(lanes=tuple(cpu_bf16_lane(v) for v in BF16_LANE_VARIANTS))
+    config = MachineConfig(
+        lanes=tuple(cpu_bf16_lane(v) for v in BF16_LANE_VARIANTS), geometries=CPU_BF16_GEOMETRIES
+    )
     run_state_machine_as_test(make_machine(config), settings=HUNT)
 
 
