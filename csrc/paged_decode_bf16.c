@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) void sums_dpbf16(const __m512 *part
 
 /* P @ V for the G query heads of one kv head over a chunk of n tokens (DH_PV_GROUP): each
  * V row widened to float32 once for all G heads, where the template's loops widen it once
- * per head (measured the costlier half of a 64-dim call: docs/performance.md). Element x of
+ * per head (docs/performance.md has the A/B of the two). Element x of
  * head i still gets acc[x] += p[i][t] * v[t][x], one fused multiply-add per token in token
  * order, as in the template's loops: the same bits. D a multiple of 64, G <= 4. */
 static inline __attribute__((always_inline)) void pv_group_avx512(float *acc,
