@@ -128,9 +128,9 @@ static inline __attribute__((always_inline)) void sums_dpbf16(const __m512 *part
 
 /* P @ V for the G query heads of one kv head over a chunk of n tokens (DH_PV_GROUP): each
  * V row widened to float32 once for all G heads, where the template's loops widen it once
- * per head (docs/performance.md has the A/B of the two). Element x of
- * head i still gets acc[x] += p[i][t] * v[t][x], one fused multiply-add per token in token
- * order, as in the template's loops: the same bits. D a multiple of 64, G <= 4. */
+ * per head (docs/performance.md has the A/B of the two). Element x of head i still gets
+ * acc[x] += p[i][t] * v[t][x], one fused multiply-add per token in token order, the
+ * template's order. D a multiple of 64, G <= 4. */
 static inline __attribute__((always_inline)) void pv_group_avx512(float *acc,
                                                                   int64_t acc_stride,
                                                                   const float (*p)[CHUNK],
@@ -145,9 +145,10 @@ static inline __attribute__((always_inline)) void pv_group_avx512(float *acc,
         const uint16_t *vv = v + c;
         for (int t = 0; t < n; t++, vv += row) {
             __m512 x[4]; /* bfloat16 bits in a float's upper half: exact */
-            for (int k = 0; k < 4; k++)
-                x[k] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vv + 16 * k))), 16));
+            for (int k = 0; k < 4; k++) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(vv + 16 * k));
+                x[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            }
             for (int i = 0; i < G; i++) {
                 const __m512 pt = _mm512_set1_ps(p[i][t]);
                 for (int k = 0; k < 4; k++) a[i][k] = _mm512_fmadd_ps(pt, x[k], a[i][k]);
