@@ -8,9 +8,9 @@
  *   bfloat16 instructions take the avx512 variant, and no v4 copy was measured.
  * - avx512: the Q.K dot products with AVX512-BF16's VDPBF16PS, which multiplies bfloat16
  *   pairs exactly and accumulates in float32 (32 products per instruction, no widening);
- *   each dot's 16 lanes are added up together with 15 other tokens' (sum16); and, for
- *   head dims that are multiples of 64, P @ V for a GQA group's heads together, each V row
- *   widened once per group rather than once per head (pv_group_avx512).
+ *   each dot's 16 lanes are added up together with 15 other tokens' (sum16); and, in runs
+ *   of kv heads, P @ V for a GQA group's heads together, each V row widened once per group
+ *   rather than once per head (pv_group_avx512).
  *   Compiled for that target alone (a pragma, not a global -march flag), so the build runs
  *   anywhere; decode_bf16_avx512_usable() asks the CPU before it is ever called. The
  *   dispatcher (paged_decode_cpu.c) takes it for head_dim >= 32 only.
@@ -126,13 +126,12 @@ static inline __attribute__((always_inline)) void sums_dpbf16(const __m512 *part
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1u), sums);
 }
 
-/* P @ V for the G query heads of one kv head over a chunk of n tokens (DH_PV_GROUP): each
- * V row widened to float32 once for all G heads, where the template's loops widen it once
- * per head (docs/performance.md has the A/B of the two). Element x of head i still gets
- * acc[x] += p[i][t] * v[t][x], one fused multiply-add per token in token order, the
- * template's order. D a multiple of 64, G <= 4. */
+/* P @ V for the G query heads of one kv head over a chunk of n tokens (DH_PV_GROUP, in runs
+ * of kv heads): each V row widened to float32 once for all G heads, where the template's
+ * head-by-head loop widens it once per head (docs/performance.md has the A/B of the two).
+ * Element x of head i still gets acc[x] += p[i][t] * v[t][x], one fused multiply-add per
+ * token in token order: decode_head's sums, bit for bit. D is 64 or 128, G 2 to 4. */
 static inline __attribute__((always_inline)) void pv_group_avx512(float *acc,
-                                                                  int64_t acc_stride,
                                                                   const float (*p)[CHUNK],
                                                                   const uint16_t *v,
                                                                   int64_t row, int n,
@@ -141,7 +140,7 @@ static inline __attribute__((always_inline)) void pv_group_avx512(float *acc,
         __m512 a[4][4];
         for (int i = 0; i < G; i++)
             for (int k = 0; k < 4; k++)
-                a[i][k] = _mm512_loadu_ps(acc + i * acc_stride + c + 16 * k);
+                a[i][k] = _mm512_loadu_ps(acc + i * D + c + 16 * k);
         const uint16_t *vv = v + c;
         for (int t = 0; t < n; t++, vv += row) {
             __m512 x[4]; /* bfloat16 bits in a float's upper half: exact */
@@ -156,13 +155,12 @@ static inline __attribute__((always_inline)) void pv_group_avx512(float *acc,
         }
         for (int i = 0; i < G; i++)
             for (int k = 0; k < 4; k++)
-                _mm512_storeu_ps(acc + i * acc_stride + c + 16 * k, a[i][k]);
+                _mm512_storeu_ps(acc + i * D + c + 16 * k, a[i][k]);
     }
 }
 
 #undef DH_DOT /* unused: DH_PART scores */
-#define DH_PV_GROUP(acc, acc_stride, p, v, row, n, D, G) \
-    pv_group_avx512(acc, acc_stride, p, v, row, n, D, G)
+#define DH_PV_GROUP(acc, p, v, row, n, D, G) pv_group_avx512(acc, p, v, row, n, D, G)
 #define DH_PART __m512
 #define DH_PARTS_N 16
 #define DH_PART_DOT(qe, k, D) part_dpbf16(qe, k, D)

@@ -21,12 +21,11 @@
  *                   DH_PART); DH_PART_SUMS(parts, n, scale, out) finishes n <= DH_PARTS_N of
  *                   them into out[0 .. n), times scale, each score's bits independent of n
  *                   and of the others. The K rows are still read token after token.
- *   DH_PV_GROUP     optional: DH_PV_GROUP(acc, acc_stride, p, v, row, n, D, G) does a chunk's
- *                   P @ V for the G query heads of one kv head together (acc row i at
- *                   acc + i * acc_stride, p[i] its probabilities), each accumulator
- *                   element's sum in the template's order (token after token, one fused
- *                   multiply-add each), for D a multiple of 64 and G <= 4 (decode_head
- *                   keeps its own loop for the rest).
+ *   DH_PV_GROUP     optional: DH_PV_GROUP(acc, p, v, row, n, D, G) does decode_run's P @ V
+ *                   of a chunk for the G query heads of one kv head together (acc row i at
+ *                   acc + i * D, p[i] its probabilities), each accumulator element's sum in
+ *                   the template's order (token after token, one fused multiply-add each),
+ *                   so the bits are decode_head's (tests/test_cpu_kernel.py compares them).
  *
  * Precision, every variant: q and K/V are read as given, every product, the scores, the
  * softmax (max, exponentials, sum) and the P @ V accumulator are float32; the output is
@@ -145,11 +144,6 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
             m[i] = top;
             for (int x = 0; x < D; x++) acc[i][x] *= rescale;
         }
-#ifdef DH_PV_GROUP
-        if (D % 64 == 0 && G <= 4)
-            DH_PV_GROUP(&acc[0][0], MAX_DIM, s, vr, row, n, D, G);
-        else
-#endif
         for (int t = 0; t < n; t++, vr += row)
             for (int i = 0; i < G; i++) {
                 const float p = s[i][t];
@@ -259,7 +253,7 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
         }
 #ifdef DH_PV_GROUP
         for (int j = 0; j < nkv; j++) /* kv head j: item heads j * G .. j * G + G - 1 */
-            DH_PV_GROUP(acc + j * G * D, D, s + j * G, vr + j * D, row, n, D, G);
+            DH_PV_GROUP(acc + j * G * D, s + j * G, vr + j * D, row, n, D, G);
 #else
         for (int h = 0; h < H; h++) DH_PV_CHUNK(acc + h * D, s[h], vr + (h / G) * D, row, n, D);
 #endif

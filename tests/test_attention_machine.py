@@ -258,6 +258,9 @@ def test_real_cascade_passes_the_same_hunt() -> None:
 
 
 RUNS = Geometry(num_kv_heads=2, group=2, head_dim=64)
+WITH_RUNS = (*MachineConfig(()).geometries, RUNS)
+"""The default geometries and RUNS: 2 KV heads of 64, where the CPU kernel's items take a run
+of KV heads (csrc's run_span), and the AVX512-BF16 copy does a group's P @ V together."""
 
 
 @pytest.mark.parametrize(
@@ -266,8 +269,7 @@ RUNS = Geometry(num_kv_heads=2, group=2, head_dim=64)
 def test_machine_catches_cpu_kernel_mutant(mutant: CpuKernelMutant) -> None:
     factory = functools.partial(CpuMutantBackend, mutant)
     lanes = (Lane(f"mutant-{mutant.name}", factory, FP32),)
-    # also 2 KV heads of 64, where the kernel's items take a run of KV heads (csrc's run_span)
-    config = MachineConfig(lanes=lanes, geometries=(*MachineConfig(lanes).geometries, RUNS))
+    config = MachineConfig(lanes=lanes, geometries=WITH_RUNS)
     # a store mutant is caught by the machine's check of the pool after each store
     caught = "store_kv did not write" if mutant.kind == "store" else "differs from naive attention"
     with pytest.raises(AssertionError, match=caught):
@@ -288,9 +290,6 @@ def cpu_bf16_lane(variant: str) -> Lane:
 
 
 BF16_LANE_VARIANTS = bf16_variants()
-CPU_BF16_GEOMETRIES = (*MachineConfig(()).geometries, RUNS)
-"""With RUNS, a head dim that is a multiple of 64: there the AVX512-BF16 copy does a GQA
-group's P @ V together (csrc/paged_decode_bf16.c's pv_group_avx512)."""
 
 
 def test_cpu_bf16_machine() -> None:
@@ -299,7 +298,7 @@ def test_cpu_bf16_machine() -> None:
     dtype tolerance (~4 s)."""
     lanes = (*(cpu_bf16_lane(v) for v in BF16_LANE_VARIANTS), lane("torch", torch_backend, BF16))
     run_state_machine_as_test(
-        make_machine(MachineConfig(lanes=lanes, geometries=CPU_BF16_GEOMETRIES)),
+        make_machine(MachineConfig(lanes=lanes, geometries=WITH_RUNS)),
         settings=settings(BASE, max_examples=40, stateful_step_count=40),
     )
 
@@ -321,7 +320,7 @@ def test_machine_catches_cpu_avx512_bf16_mutant(mutant: CpuKernelMutant) -> None
     factory = functools.partial(CpuMutantBackend, mutant, bf16_variant="avx512bf16")
     config = MachineConfig(
         lanes=(Lane(f"mutant-{mutant.name}", factory, BF16, one_rounding=True),),
-        geometries=CPU_BF16_GEOMETRIES,
+        geometries=WITH_RUNS,
     )
     with pytest.raises(AssertionError, match="differs from naive attention"):
         run_state_machine_as_test(make_machine(config), settings=HUNT)
@@ -329,7 +328,7 @@ def test_machine_catches_cpu_avx512_bf16_mutant(mutant: CpuKernelMutant) -> None
 
 def test_real_cpu_bf16_kernel_passes_the_same_hunt() -> None:
     config = MachineConfig(
-        lanes=tuple(cpu_bf16_lane(v) for v in BF16_LANE_VARIANTS), geometries=CPU_BF16_GEOMETRIES
+        lanes=tuple(cpu_bf16_lane(v) for v in BF16_LANE_VARIANTS), geometries=WITH_RUNS
     )
     run_state_machine_as_test(make_machine(config), settings=HUNT)
 
