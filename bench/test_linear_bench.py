@@ -2,7 +2,8 @@
 
 Shapes: the four projections of the 29M Qwen3-shaped model (``bench/test_vllm_bench.py``:
 hidden 512, 8 / 4 heads of 64, intermediate 1792) at 32 rows (a decode step), 512 and
-2,048 rows (prefill chunks), float32 and bfloat16. Per case the two alternate call by call
+2,048 rows (prefill chunks), float32 and bfloat16; and SmolLM2-135M's tied LM head at 1-64
+rows (``test_packed_lm_head``). Per case the two alternate call by call
 in one process (the machine is shared), ``CALLS`` timed calls each after a warm-up; the
 figures (``extra_info``, printed) are each side's min and median in ms and
 ``packed / dense`` from the fastest and the median calls (below 1: packing pays).
@@ -11,15 +12,15 @@ pytest-benchmark's own time is the whole measurement, not a figure.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.alternation import alternate, figures
 from paged_engine.layers import linear
+from paged_engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from paged_engine.layers.linear import Linear
 
 if not linear.packs(torch.float32):
@@ -35,6 +36,12 @@ CASES = [
 ]
 
 
+def report(benchmark: Any, info: dict[str, Any], times: dict[str, list[float]], tag: str) -> None:
+    info.update(figures(times, "packed", "dense"))
+    benchmark.extra_info.update(info)
+    print(f"\n{tag}", {key: round(v, 3) for key, v in info.items() if "ms" in key or "over" in key})
+
+
 @pytest.mark.benchmark(group="linear")
 @pytest.mark.parametrize(("name", "rows", "dtype"), CASES)
 def test_packed_linear(benchmark: Any, name: str, rows: int, dtype: torch.dtype) -> None:
@@ -48,33 +55,39 @@ def test_packed_linear(benchmark: Any, name: str, rows: int, dtype: torch.dtype)
     layer.process_weights_after_loading()
     assert layer._packed is not None
     x = torch.randn(rows, k).to(dtype)
-    times: dict[str, list[float]] = {"dense": [], "packed": []}
-    calls = {"dense": lambda: F.linear(x, dense), "packed": lambda: layer(x)}
-
-    def measure() -> None:
-        for side in calls.values():
-            side()
-        for _ in range(CALLS):
-            for side, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[side].append(time.perf_counter() - start)
-
-    benchmark.pedantic(measure, rounds=1, iterations=1)
+    times = alternate(
+        benchmark, {"dense": lambda: F.linear(x, dense), "packed": lambda: layer(x)}, CALLS
+    )
     torch.testing.assert_close(layer(x).float(), F.linear(x, dense).float(), rtol=2e-2, atol=1e-1)
     info: dict[str, Any] = {"suite": "linear", "shape": [rows, k, n], "dtype": str(dtype)}
-    for side, ts in times.items():
-        info[f"{side}_ms_min"] = min(ts) * 1e3
-        info[f"{side}_ms_median"] = statistics.median(ts) * 1e3
-    info["packed_over_dense_min"] = min(times["packed"]) / min(times["dense"])
-    info["packed_over_dense_median"] = statistics.median(times["packed"]) / statistics.median(
-        times["dense"]
+    report(benchmark, info, times, f"LINEAR {name} {rows} {dtype}")
+
+
+HEAD = (576, 49152)
+"""SmolLM2-135M's LM head (hidden 576, vocabulary 49,152; tied to its embedding)."""
+
+
+@pytest.mark.benchmark(group="linear")
+@pytest.mark.parametrize("rows", [1, 8, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_packed_lm_head(benchmark: Any, rows: int, dtype: torch.dtype) -> None:
+    """The tied head as the model runs it (``ParallelLMHead`` after
+    ``process_weights_after_loading``) against ``F.linear`` on the embedding's matrix, at
+    decode-step rows."""
+    if not linear.packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU (torch's mkldnn bf16 probe)")
+    torch.set_num_threads(1)
+    k, n = HEAD
+    embed = VocabParallelEmbedding(n, k).to(dtype)
+    embed.weight.data.copy_(torch.randn(n, k))
+    head = ParallelLMHead(n, k, embed).to(dtype)
+    head.process_weights_after_loading()
+    assert head._packed is not None
+    x = torch.randn(rows, k).to(dtype)
+    dense = embed.weight
+    times = alternate(
+        benchmark, {"dense": lambda: F.linear(x, dense), "packed": lambda: head(x)}, CALLS
     )
-    benchmark.extra_info.update(info)
-    print(
-        "\nLINEAR",
-        name,
-        rows,
-        dtype,
-        {key: round(v, 3) for key, v in info.items() if "ms" in key or "over" in key},
-    )
+    torch.testing.assert_close(head(x).float(), F.linear(x, dense).float(), rtol=2e-2, atol=1e-1)
+    info: dict[str, Any] = {"suite": "lm_head", "shape": [rows, k, n], "dtype": str(dtype)}
+    report(benchmark, info, times, f"LM_HEAD {rows} {dtype}")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.layers.linear import pack_weight, packed_linear
 from paged_engine.layers.parallel import SINGLE, TPGroup, split
 
 Index = tuple[slice, ...]
@@ -28,6 +29,13 @@ class LMHead(nn.Module):
 
     With ``tied_to`` the head holds the embedding's own Parameter (one tensor, loaded once,
     listed once by ``named_parameters``), as tied checkpoints store only the embedding.
+
+    On CPU ``process_weights_after_loading`` packs the matrix for oneDNN, as ``Linear``
+    does its projections and for the same reason (``F.linear`` repacks a plain weight on
+    every call): the head is the model's widest matmul, and with a large vocabulary one
+    of its largest (``bench/test_linear_bench.py``). An untied head's dense weight is then
+    emptied; a tied one stays, since the embedding looks rows up in it, so the packed copy
+    costs one more ``[vocab, hidden]`` matrix.
     """
 
     def __init__(
@@ -42,9 +50,25 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(
                 torch.empty(num_embeddings, embedding_dim), requires_grad=False
             )
+        self.tied = tied_to is not None
+        self._packed: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the weight for oneDNN where ``linear.packs`` says this CPU can, once."""
+        if self._packed is not None:
+            return
+        self._packed = pack_weight(self.weight)
+        if self._packed is not None and not self.tied:
+            self.weight.data = self.weight.data.new_empty((0, self.weight.shape[1]))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden W^T``, through the packed weight when there is one."""
+        if self._packed is None:
+            return F.linear(hidden, self.weight)
+        return packed_linear(hidden, self._packed, None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return self.logits(hidden)
 
 
 def _vocab_rows(vocab: int, tp: TPGroup, shape: tuple[int, ...]) -> Index | None:
@@ -105,7 +129,7 @@ class ParallelLMHead(LMHead):
         return _vocab_rows(self.vocab_size, self.tp, shape)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = self.logits(hidden)
         if self.tp.size == 1:
             return local
         full = self.tp.gather_last_dim(local)

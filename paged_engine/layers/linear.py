@@ -46,6 +46,20 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.mkldnn_bf16)
 
 
+def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` reordered into oneDNN's blocked layout for ``packed_linear``, where ``packs``
+    says this CPU can for its dtype; None for any other weight (another device included)."""
+    if w.device.type != "cpu" or not packs(w.dtype):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)  # type: ignore[no-any-return]
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ bias)`` for ``packed = pack_weight(W)``."""
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out  # type: ignore[no-any-return]
+
+
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with a whole-tensor weight loader.
 
@@ -95,18 +109,17 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Pack the weight for oneDNN (see the class), on CPU where ``packs`` says this
         machine can for its dtype, once; otherwise leave it dense."""
-        w = self.weight
-        if self._packed is not None or w.device.type != "cpu" or not packs(w.dtype):
+        if self._packed is not None:
             return
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        w.data = w.data.new_empty((0, self.input_size))
+        self._packed = pack_weight(self.weight)
+        if self._packed is not None:
+            self.weight.data = self.weight.data.new_empty((0, self.input_size))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)``, through the packed weight when there is one."""
         if self._packed is None:
             return F.linear(x, self.weight, bias)
-        out = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-        return out  # type: ignore[no-any-return]
+        return packed_linear(x, self._packed, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

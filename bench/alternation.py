@@ -1,0 +1,42 @@
+"""Two or more ways of doing one thing, timed call by call in turn in one process (the
+machine is shared and noisy: alternating spreads its noise over every side), and the
+figures the micro-benchmarks report from those times."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def alternate(
+    benchmark: Any, calls: Mapping[str, Callable[[], object]], n: int
+) -> dict[str, list[float]]:
+    """Each side's ``n`` timed calls (seconds), alternated call by call after one warm-up
+    call each; pytest-benchmark's own time is the whole measurement, not a figure."""
+    times: dict[str, list[float]] = {side: [] for side in calls}
+
+    def measure() -> None:
+        for call in calls.values():
+            call()
+        for _ in range(n):
+            for side, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[side].append(time.perf_counter() - start)
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    return times
+
+
+def figures(times: dict[str, list[float]], new: str, old: str) -> dict[str, float]:
+    """Each side's min and median in ms, and ``new / old`` from the fastest and from the
+    median calls (below 1: ``new`` is faster)."""
+    out: dict[str, float] = {}
+    for side, ts in times.items():
+        out[f"{side}_ms_min"] = min(ts) * 1e3
+        out[f"{side}_ms_median"] = statistics.median(ts) * 1e3
+    out[f"{new}_over_{old}_min"] = min(times[new]) / min(times[old])
+    out[f"{new}_over_{old}_median"] = statistics.median(times[new]) / statistics.median(times[old])
+    return out
