@@ -1,6 +1,7 @@
 """The one compiled part of paged_engine, for the CPU (csrc/), float32 and bfloat16, in one
-library: the paged-decode kernel (module ``_cpu_kernels``) and the fused small ops
-(``_fused_ops``: RMSNorm with the residual add, q/k norm with rotary, SiLU times mul).
+library: the paged-decode kernel (module ``_cpu_kernels``), the fused small ops
+(``_fused_ops``: RMSNorm with the residual add, q/k norm with rotary, SiLU times mul) and
+the sampler's argmax and finiteness pass (``_sample_ops``).
 
 Everything else is in pyproject.toml. The extension is optional: where no C compiler is
 available the package installs without it, the "auto" attention backend uses the torch
@@ -136,8 +137,10 @@ setup(
                 "csrc/paged_decode_cpu.c",
                 "csrc/paged_decode_bf16.c",
                 "csrc/store_kv_cpu.c",
-                # A second module in the same library (PyInit__fused_ops, PEP 489).
+                # More modules in the same library (PyInit__fused_ops, PyInit__sample_ops:
+                # PEP 489).
                 "csrc/fused_ops.c",
+                "csrc/sample_ops.c",
             ],
             # The kernel template and shared declarations: a change to any rebuilds.
             depends=["csrc/isa.h", "csrc/paged_decode_cpu.h", "csrc/paged_decode_head.h"],

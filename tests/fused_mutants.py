@@ -37,13 +37,20 @@ enough to catch a mutant."""
 @functools.cache
 def build_fused_module(name: str, patch: Path) -> ModuleType:
     """csrc/fused_ops.c with ``patch`` applied, built alone as the ``_fused_ops`` module."""
+    return build_library_module(name, patch, "fused_ops.c", "_fused_ops")
+
+
+@functools.cache
+def build_library_module(name: str, patch: Path, source: str, module: str) -> ModuleType:
+    """csrc/``source`` (one of the library's modules beside the decode kernel) with
+    ``patch`` applied, built alone as ``module``."""
     from setuptools import Extension
 
     work = patched_copy(name, read_patch(name, patch), ("csrc",))
     real = setup_extension()
     ext = Extension(
-        "_fused_ops",
-        sources=[str(work / "csrc" / "fused_ops.c")],
+        module,
+        sources=[str(work / "csrc" / source)],
         extra_compile_args=[*real.extra_compile_args, *BASELINE_ONLY],
         extra_link_args=list(real.extra_link_args),
         libraries=list(real.libraries),

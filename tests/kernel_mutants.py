@@ -181,6 +181,10 @@ def compile_extension(name: str, ext: Any, work: Path) -> ModuleType:
     return module
 
 
+OTHER_MODULES = ("fused_ops.c", "sample_ops.c")
+"""csrc/'s sources of the library's modules other than the decode kernel's."""
+
+
 @functools.cache
 def build_c_module(
     name: str, patch: Path | None = None, extra_args: tuple[str, ...] = ()
@@ -198,9 +202,10 @@ def build_c_module(
 
     ext = Extension(
         real.name,
-        # The library's other module (the fused small ops: tests/fused_mutants.py builds
-        # its own mutants) is most of a build's time and is never loaded from this one.
-        sources=[moved(s) for s in real.sources if Path(s).name != "fused_ops.c"],
+        # The library's other modules (the fused small ops, most of a build's time, and
+        # the sampler's pass: tests/fused_mutants.py builds their mutants) are never
+        # loaded from this one.
+        sources=[moved(s) for s in real.sources if Path(s).name not in OTHER_MODULES],
         depends=[moved(d) for d in real.depends],
         include_dirs=[moved(d) for d in real.include_dirs],
         extra_compile_args=[*real.extra_compile_args, *extra_args],

@@ -488,3 +488,19 @@ def test_threads_change_no_bit(isa: str) -> None:
     assert teams[0] == 1 and teams[1] >= 1
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], rms_norm_ref(x, w, EPS))
+
+
+def test_outputs_are_cpu_tensors_under_another_default_device() -> None:
+    """Under ``with torch.device("meta")`` the outputs must still be allocated on the CPU
+    (a meta output has no memory: the kernel would write through a null pointer)."""
+    gen = torch.Generator().manual_seed(0)
+    x, res = torch.randn(2, 3, 64, generator=gen)
+    weight = torch.rand(64, generator=gen)
+    want_norm = add_rms_norm_ref(x, res, weight, 1e-6)
+    want_silu = silu_and_mul_ref(x)
+    with torch.device("meta"):
+        norm, total = add_rms_norm_cpu(x, res, weight, 1e-6)
+        silu = silu_and_mul_cpu(x)
+    assert norm.is_cpu and total is not None and total.is_cpu and silu.is_cpu
+    assert torch.equal(norm, want_norm[0]) and torch.equal(total, want_norm[1])
+    torch.testing.assert_close(silu, want_silu)

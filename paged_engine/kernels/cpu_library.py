@@ -1,9 +1,10 @@
 """The compiled CPU library (``paged_engine._cpu_kernels``, built from csrc/ by setup.py),
-loaded once for the two launchers that call into it.
+loaded once for the launchers that call into it.
 
-One shared library holds two extension modules (PEP 489 allows several): ``_cpu_kernels``,
-the paged-decode kernel (``paged_decode_cpu``), and ``_fused_ops``, the fused small ops
-(``fused_ops_cpu``). Each launcher binds its module once, at import, as a
+One shared library holds three extension modules (PEP 489 allows several):
+``_cpu_kernels``, the paged-decode kernel (``paged_decode_cpu``); ``_fused_ops``, the fused
+small ops (``fused_ops_cpu``); and ``_sample_ops``, the sampler's argmax and finiteness
+pass (``sample_ops_cpu``). Each launcher binds its module once, at import, as a
 ``CompiledModule``: the module and what it says of itself that cannot change while the
 process runs, the instruction-set levels (csrc/isa.h) it has copies for and this CPU
 executes (the module's own CPUID check). Every launch check intersects those with the
@@ -22,7 +23,14 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["ISA_CODES", "CompiledModule", "level_code", "load_decode_module", "load_fused_module"]
+__all__ = [
+    "ISA_CODES",
+    "CompiledModule",
+    "level_code",
+    "load_decode_module",
+    "load_fused_module",
+    "load_sample_module",
+]
 
 ISA_CODES = {"baseline": 0, "x86-64-v3": 1, "x86-64-v4": 2}
 """The instruction-set levels the kernels are compiled at (csrc/isa.h), with the code the C
@@ -82,19 +90,31 @@ def load_decode_module() -> Loaded:
     return _described(module)
 
 
-def load_fused_module() -> Loaded:
-    """The fused ops' module (``_fused_ops``, the library's second init function), or why
-    it cannot be used."""
+def _load_other_module(name: str, what: str) -> Loaded:
+    """Module ``paged_engine.<name>`` of the library (another init function in the same
+    file), or why it cannot be used (``what`` names it in the reason)."""
     spec = importlib.util.find_spec(LIBRARY)
     if spec is None or spec.origin is None:
         return None, f"the compiled CPU kernels are not built (no {LIBRARY})"
-    name = "paged_engine._fused_ops"
+    name = f"paged_engine.{name}"
     try:
         loader = importlib.machinery.ExtensionFileLoader(name, spec.origin)
-        fused_spec = importlib.util.spec_from_file_location(name, spec.origin, loader=loader)
-        assert fused_spec is not None
-        module = importlib.util.module_from_spec(fused_spec)
+        other = importlib.util.spec_from_file_location(name, spec.origin, loader=loader)
+        assert other is not None
+        module = importlib.util.module_from_spec(other)
         loader.exec_module(module)
     except ImportError as exc:
-        return None, f"the compiled CPU kernels predate the fused ops ({exc}); rebuild them"
+        return None, f"the compiled CPU kernels predate {what} ({exc}); rebuild them"
     return _described(module)
+
+
+def load_fused_module() -> Loaded:
+    """The fused ops' module (``_fused_ops``, the library's second init function), or why
+    it cannot be used."""
+    return _load_other_module("_fused_ops", "the fused ops")
+
+
+def load_sample_module() -> Loaded:
+    """The sampler's module (``_sample_ops``: the argmax and finiteness pass), or why it
+    cannot be used."""
+    return _load_other_module("_sample_ops", "the sampler's argmax pass")

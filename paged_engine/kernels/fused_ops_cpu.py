@@ -74,7 +74,7 @@ def torch_sum_lanes() -> int | None:
     n, big = 64, 2.0**24
     survivors = []
     for j in range(1, n - 1):
-        x = torch.zeros(n)
+        x = torch.zeros(n, device="cpu")
         x[0], x[j], x[n - 1] = big, 1.0, -big
         if float(x.sum()) == 1.0:
             survivors.append(j)
@@ -177,8 +177,8 @@ def add_rms_norm_cpu(
     module, lanes, level = _module(what), _lanes(what), level_code(what, isa, isa_levels())
     x2 = _rows(x, n)
     r2 = None if residual is None else _rows(residual, n)
-    out = torch.empty(x.shape, dtype=x.dtype)
-    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows:
         module.add_rms_norm(
@@ -279,7 +279,7 @@ def silu_and_mul_cpu(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor
     module, level = _module(what), level_code(what, isa, isa_levels())
     x2 = _rows(x, width)
     d = width // 2
-    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows and d:
         module.silu_and_mul(

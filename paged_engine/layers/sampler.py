@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from paged_engine.engine.outputs import FailedSample
+from paged_engine.kernels.sample_ops_cpu import argmax_finite
 from paged_engine.layers.grammar_mask import TokenMask, apply_token_bitmask
 from paged_engine.layers.logits_processors import (
     TokenHistory,
@@ -144,8 +145,9 @@ class Sampler:
         -inf before anything else (greedy, processors, temperature); the other rows are
         untouched.
 
-        One device-to-host transfer per call; an all-greedy batch without processors
-        costs an argmax and the finiteness check.
+        One device-to-host transfer per call; an all-greedy batch without processors or
+        grammar masks costs one pass over the logits (``argmax_finite``), never a float32
+        copy of them.
         """
         batch = logits.shape[0]
         hist = [None] * batch if histories is None else histories
@@ -154,16 +156,19 @@ class Sampler:
                 f"{batch} logit rows but {len(params)} params, {len(generators)} generators "
                 f"and {len(hist)} histories"
             )
+        tokens, ok = argmax_finite(logits)  # the model's own logits, any dtype
+        failed: dict[int, FailedSample] = {}
+        active = [i for i in range(batch) if processes(params[i], hist[i])]
+        if token_mask is None and not active and all(p.greedy for p in params):
+            return _finish(tokens, ok, failed)
         logits = logits.float()
         dev = logits.device
-        ok = torch.isfinite(logits).all(dim=-1)
         if token_mask is not None:  # after the finiteness check, which reads the model's
             logits = apply_token_bitmask(logits, *token_mask)
             at = _index(token_mask[1], dev)
-            ok[at] = ok[at] & (logits[at].amax(dim=-1) > float("-inf"))
-        tokens = logits.argmax(dim=-1)
-        failed: dict[int, FailedSample] = {}
-        active = [i for i in range(batch) if processes(params[i], hist[i])]
+            masked = logits[at]
+            ok[at] = ok[at] & (masked.amax(dim=-1) > float("-inf"))
+            tokens[at] = masked.argmax(dim=-1)
         active, processed = _isolated(
             lambda rows: apply_logits_processors(
                 logits[_index(rows, dev)],
@@ -198,12 +203,7 @@ class Sampler:
             if probs is not None:
                 picked = _draws(probs, [generators[i] for i in drawn], drawn, failed)
                 tokens[_index(drawn, dev)] = picked
-        # one transfer: failed rows come back as -1, which no token id is
-        tokens.masked_fill_(~ok, -1)
-        out: list[int | FailedSample | None] = [t if t >= 0 else None for t in tokens.tolist()]
-        for i, failure in failed.items():
-            out[i] = failure
-        return out
+        return _finish(tokens, ok, failed)
 
     @staticmethod
     def _sample(
@@ -214,6 +214,18 @@ class Sampler:
         """One draw per row (a NaN row draws garbage, never fails)."""
         probs = probabilities(logits, params)
         return _draws(probs, generators, list(range(len(params))), {})
+
+
+def _finish(
+    tokens: torch.Tensor, ok: torch.Tensor, failed: dict[int, FailedSample]
+) -> list[int | FailedSample | None]:
+    """The tokens as ints in one transfer (a row that is not all finite as None), and each
+    failed row's ``FailedSample``."""
+    tokens.masked_fill_(~ok, -1)  # -1: no token id is
+    out: list[int | FailedSample | None] = [t if t >= 0 else None for t in tokens.tolist()]
+    for i, failure in failed.items():
+        out[i] = failure
+    return out
 
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
