@@ -4,8 +4,9 @@
  *
  * - add_rms_norm: the residual add and the RMSNorm after it (one row at a time: the sum, its
  *   mean square, the scaled and weighted row);
- * - qk_norm_rope: Qwen3's per-head q/k RMSNorm and the rotary embedding after it, in place
- *   in the qkv projection's output;
+ * - qk_norm_rope: Qwen3's per-head q/k RMSNorm and the rotary embedding after it (or the
+ *   rotation alone, for the families without the norm), in place in the qkv projection's
+ *   output;
  * - silu_and_mul: silu(gate) * up over the fused gate_up output.
  *
  * Why C: at decode a step's rows are few (one per sequence), and in torch each norm is a
@@ -215,7 +216,8 @@ typedef struct {
     float eps;
 } RopeArgs;
 
-/* Per (token, head): the head's RMSNorm (q weight for the first q_heads, else k), then
+/* Per (token, head): the head's RMSNorm (q weight for the first q_heads, else k; no norm
+ * when both weights are NULL: the Llama families rotate without one), then
  * x * cos + [x2, x1] * [-sin, sin] (sin's first half arrives negated), each product and
  * the sum rounded to the model dtype, as torch's three ops round them. */
 INLINE void qk_norm_rope_rows(const RopeArgs *a, const int bf16, const int L, int64_t begin,
@@ -227,9 +229,13 @@ INLINE void qk_norm_rope_rows(const RopeArgs *a, const int bf16, const int L, in
         char *x = (char *)a->qk + (t * a->ts + h * a->d) * (bf16 ? 2 : 4);
         const void *w = h < a->q_heads ? a->wq : a->wk;
         for (int64_t j = 0; j < a->d; j++) row[j] = load(x, j, bf16);
-        const float scale = inv_rms(row, a->d, a->eps, L);
-        for (int64_t j = 0; j < a->d; j++)
-            normed[j] = rnd(load(w, j, bf16) * rnd(row[j] * scale, bf16), bf16);
+        if (w != NULL) {
+            const float scale = inv_rms(row, a->d, a->eps, L);
+            for (int64_t j = 0; j < a->d; j++)
+                normed[j] = rnd(load(w, j, bf16) * rnd(row[j] * scale, bf16), bf16);
+        } else {
+            for (int64_t j = 0; j < a->d; j++) normed[j] = row[j];
+        }
         const char *c = (const char *)a->cos + t * a->cs * (bf16 ? 2 : 4);
         const char *s = (const char *)a->sin + t * a->cs * (bf16 ? 2 : 4);
         for (int64_t j = 0; j < half; j++) {
@@ -374,10 +380,10 @@ static PyObject *py_qk_norm_rope(PyObject *self, PyObject *args) {
         return NULL;
     const RangeFn fn = pick(qk_norm_rope_f32_levels, qk_norm_rope_bf16_levels, dtype, isa);
     if (fn == NULL || check_common(lanes, threads, a.d) < 0) return NULL;
-    if (a.tokens < 0 || a.d % 2 || a.q_heads < 0 || a.q_heads > a.heads) {
+    if (a.tokens < 0 || a.d % 2 || a.q_heads < 0 || a.q_heads > a.heads || !wq != !wk) {
         PyErr_SetString(PyExc_ValueError,
-                        "qk_norm_rope: needs tokens >= 0, an even head dim and "
-                        "0 <= q_heads <= heads");
+                        "qk_norm_rope: needs tokens >= 0, an even head dim, "
+                        "0 <= q_heads <= heads and both weights or neither");
         return NULL;
     }
     a.qk = PTR(qk), a.wq = PTR(wq), a.wk = PTR(wk), a.cos = PTR(cos), a.sin = PTR(sin);
@@ -426,7 +432,8 @@ static PyMethodDef methods[] = {
      "x86-64-v4); returns the threads that ran. Use paged_engine.kernels.fused_ops_cpu."},
     {"qk_norm_rope", py_qk_norm_rope, METH_VARARGS,
      "qk_norm_rope(qk, token_stride, tokens, q_heads, heads, wq, wk, cos, sin, cos_stride, "
-     "head_dim, eps, dtype, lanes, threads, isa): in place; returns the threads that ran. "
+     "head_dim, eps, dtype, lanes, threads, isa): in place (wq = wk = 0: rotation only); "
+     "returns the threads that ran. "
      "Use paged_engine.kernels.fused_ops_cpu."},
     {"silu_and_mul", py_silu_and_mul, METH_VARARGS,
      "silu_and_mul(x, x_stride, out, out_stride, rows, d, dtype, threads, isa): returns the "

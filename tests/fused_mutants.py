@@ -97,6 +97,11 @@ MUTANTS = [
     FusedMutant("rope_sign", "qk", "the first half rotates the wrong way (sin's sign dropped)"),
     FusedMutant("q_weight_for_k", "qk", "the k heads are normed with q_norm's weight"),
     FusedMutant(
+        "rope_alone_normed",
+        "rope",
+        "without weights the heads are still RMS-normed (with a weight of 1) before the rotation",
+    ),
+    FusedMutant(
         "silu_single_rounding",
         "silu",
         "silu(g) * u rounded once in bfloat16, not after silu and again after the multiply",

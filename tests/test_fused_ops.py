@@ -188,6 +188,47 @@ def test_qk_norm_rope_is_bitwise_for_any_shape(
     check_qk(tokens, q_heads, k_heads, d, dtype, seed, isa)
 
 
+def check_rope(tokens: int, heads: int, d: int, dtype: torch.dtype, seed: int, isa=None):
+    """The rotation alone (no weights), in place, bit for bit both the reference and
+    ``RotaryEmbedding.rotate`` (the torch path the GPU and the Llama families ran)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (heads + 1) * d, generator=gen) * 3).to(dtype)
+    qk = qkv[:, : heads * d].view(tokens, heads, d)
+    positions = torch.randint(0, 40000, (tokens,), generator=gen)
+    rotary = RotaryEmbedding(d, RopeSpec(theta=1e4))
+    want = qk_norm_rope_ref(qk, None, None, 0, EPS, *rotary.cos_sin(positions, dtype))
+    assert torch.equal(rotary.rotate(positions, qk), want)
+    cos, signed_sin = rotary.cos_signed_sin(positions, dtype)
+    got = qk_norm_rope_cpu_(qk, None, None, heads // 2, EPS, cos, signed_sin, isa=isa)
+    assert got.data_ptr() == qk.data_ptr(), "not in place"
+    assert torch.equal(qk, want), f"rotation differs: {tokens}x{heads}x{d} {dtype} {isa}"
+
+
+ROPE_CASES = [(9, 12, 64, F32, 0), (5, 12, 64, BF16, 1), (3, 3, 6, F32, 2)]
+
+
+@given(
+    tokens=st.integers(0, 12),
+    heads=st.integers(1, 9),
+    d=st.sampled_from([2, 6, 16, 64, 128]),
+    dtype=st.sampled_from([F32, BF16]),
+    seed=st.integers(0, 2**16),
+    isa=st.sampled_from(LEVELS),
+)
+def test_the_rotation_alone_is_bitwise_for_any_shape(tokens, heads, d, dtype, seed, isa) -> None:
+    check_rope(tokens, heads, d, dtype, seed, isa)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_rotate_in_place_runs_the_kernel_on_cpu_with_rotates_bits(dtype: torch.dtype) -> None:
+    rotary = RotaryEmbedding(64, RopeSpec(theta=1e4))
+    qk = (torch.randn(7, 12, 64) * 2).to(dtype)
+    positions = torch.arange(7) * 311
+    want = rotary.rotate(positions, qk)
+    got = rotary.rotate_(positions, qk)
+    assert got.data_ptr() == qk.data_ptr() and torch.equal(got, want)
+
+
 def test_the_reference_is_the_torch_path_the_gpu_runs() -> None:
     """``norm_rotate``'s torch branch (CUDA, or a CPU without the kernels) and the
     reference agree bit for bit, so the kernel's reference is also the GPU's numerics."""
@@ -310,6 +351,7 @@ def test_a_level_that_does_not_run_here_is_refused() -> None:
 CHECKS = {
     "norm": lambda: [check_norm(*case) for case in NORM_CASES],
     "qk": lambda: [check_qk(*case) for case in QK_CASES],
+    "rope": lambda: [check_rope(*case) for case in ROPE_CASES],
     "silu": lambda: [check_silu(*case) for case in SILU_CASES],
 }
 

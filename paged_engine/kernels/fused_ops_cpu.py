@@ -204,8 +204,8 @@ def add_rms_norm_cpu(
 
 def qk_norm_rope_cpu_(
     qk: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     num_q_heads: int,
     eps: float,
     cos: torch.Tensor,
@@ -217,10 +217,14 @@ def qk_norm_rope_cpu_(
     heads contiguous within a token, tokens at any stride): each head RMSNormed with
     ``q_weight`` or ``k_weight`` ``[d]``, then rotated by ``cos`` and ``signed_sin``
     ``[N, d]`` (sin with its first half negated, ``RotaryEmbedding.cos_signed_sin``).
+    Without weights (both None) the rotation alone (the families without a q/k norm).
     Returns ``qk``. Bit for bit ``fused_ops_ref.qk_norm_rope_ref``, at every ``isa`` (as
     ``add_rms_norm_cpu``'s)."""
     what = "qk_norm_rope_cpu_"
-    _check(what, qk.dtype, qk=qk, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=signed_sin)
+    given = {n: w for n, w in (("q_weight", q_weight), ("k_weight", k_weight)) if w is not None}
+    if len(given) == 1:
+        raise ValueError(f"{what}: give both q_weight and k_weight, or neither")
+    _check(what, qk.dtype, qk=qk, cos=cos, sin=signed_sin, **given)
     if qk.dim() != 3 or qk.stride(1) != qk.shape[2]:
         raise ValueError(
             f"{what}: qk must be [tokens, heads, head_dim] with contiguous heads, got "
@@ -229,11 +233,9 @@ def qk_norm_rope_cpu_(
     tokens, heads, d = qk.shape
     if not 0 <= num_q_heads <= heads:
         raise ValueError(f"{what}: num_q_heads {num_q_heads} is not in [0, {heads}]")
-    if q_weight.shape != (d,) or k_weight.shape != (d,):
-        raise ValueError(
-            f"{what}: q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} "
-            f"must be [{d}]"
-        )
+    if any(w.shape != (d,) for w in given.values()):
+        shapes = ", ".join(f"{n} {tuple(w.shape)}" for n, w in given.items())
+        raise ValueError(f"{what}: {shapes} must be [{d}]")
     if cos.shape != (tokens, d) or signed_sin.shape != (tokens, d):
         raise ValueError(
             f"{what}: cos {tuple(cos.shape)} and sin {tuple(signed_sin.shape)} must be "
@@ -251,8 +253,8 @@ def qk_norm_rope_cpu_(
             tokens,
             num_q_heads,
             heads,
-            q_weight.data_ptr(),
-            k_weight.data_ptr(),
+            0 if q_weight is None else q_weight.data_ptr(),
+            0 if k_weight is None else k_weight.data_ptr(),
             cos.data_ptr(),
             signed_sin.data_ptr(),
             cos.stride(0),

@@ -48,18 +48,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def qk_norm_rope_ref(
     qk: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     num_q_heads: int,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
     """Qwen3's q/k step: ``qk`` ``[N, heads, d]`` (q heads first), each head normed with its
-    weight, then rotated by ``cos``/``sin`` ``[N, d]``. A new tensor."""
-    q = rms_norm_ref(qk[:, :num_q_heads], q_weight, eps)
-    k = rms_norm_ref(qk[:, num_q_heads:], k_weight, eps)
-    normed = torch.cat((q, k), dim=1)
+    weight, then rotated by ``cos``/``sin`` ``[N, d]``; without weights (both None) the
+    rotation alone. A new tensor."""
+    normed = qk
+    if q_weight is not None and k_weight is not None:
+        q = rms_norm_ref(qk[:, :num_q_heads], q_weight, eps)
+        k = rms_norm_ref(qk[:, num_q_heads:], k_weight, eps)
+        normed = torch.cat((q, k), dim=1)
     return normed * cos[:, None, :] + rotate_half(normed) * sin[:, None, :]
 
 

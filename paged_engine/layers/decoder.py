@@ -124,7 +124,8 @@ class DecoderAttention(nn.Module):
         """q and k are normed (where the family norms them) and rotated side by side,
         ``[N, H + kvh, d]``, in one pass: each head's norm and rotation are per row, so
         this is op for op the separate norms and rotations, with fewer kernel launches
-        (``RotaryEmbedding.norm_rotate``: in place in the qkv output on the CPU)."""
+        (``RotaryEmbedding.norm_rotate`` or ``rotate_``: in place in the qkv output on the
+        CPU)."""
         n, h, kvh, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden)
         qk = qkv[:, : (h + kvh) * d].view(n, h + kvh, d)
@@ -133,7 +134,7 @@ class DecoderAttention(nn.Module):
                 positions, qk, self.q_norm.weight, self.k_norm.weight, h, self.q_norm.eps
             )
         else:
-            qk = self.rotary_emb.rotate(positions, qk)
+            qk = self.rotary_emb.rotate_(positions, qk)
         v = qkv[:, (h + kvh) * d :].view(n, kvh, d)
         out = self.attn(qk[:, :h], qk[:, h:], v)
         result: torch.Tensor = self.o_proj(out)

@@ -170,6 +170,24 @@ class RotaryEmbedding(nn.Module):
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
 
+    def _fused_layout(self, qk: torch.Tensor) -> bool:
+        """Whether the fused kernel takes ``qk``'s shape: ``[N, heads, head_dim]``, each
+        head's row contiguous (the kernel also checks it)."""
+        return (
+            qk.dim() == 3
+            and qk.shape[-1] == self.head_dim <= MAX_COLS
+            and (qk.stride(1) == self.head_dim)
+        )
+
+    def rotate_(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """``rotate`` in place on the CPU where the fused kernel takes ``qk`` (the same
+        bits: each product and the sum rounded as torch's ops round them), so pass a buffer
+        nothing else reads, like the qkv projection's output; elsewhere a new tensor."""
+        if self._fused_layout(qk) and fused_ok(qk):
+            cos, signed_sin = self.cos_signed_sin(positions, qk.dtype)
+            return qk_norm_rope_cpu_(qk, None, None, 0, 0.0, cos, signed_sin)
+        return self.rotate(positions, qk)
+
     def norm_rotate(
         self,
         positions: torch.Tensor,
@@ -187,12 +205,7 @@ class RotaryEmbedding(nn.Module):
         The torch form norms q and k side by side, ``[N, H + kvh, d]``, in one call: each
         head's norm is per row, so this is op for op the separate ``q_norm``/``k_norm``.
         """
-        if (
-            qk.dim() == 3
-            and qk.shape[-1] == self.head_dim <= MAX_COLS
-            and qk.stride(1) == self.head_dim
-            and fused_ok(qk, q_weight, k_weight)
-        ):
+        if self._fused_layout(qk) and fused_ok(qk, q_weight, k_weight):
             cos, signed_sin = self.cos_signed_sin(positions, qk.dtype)
             return qk_norm_rope_cpu_(qk, q_weight, k_weight, num_q_heads, eps, cos, signed_sin)
         heads, d = qk.shape[-2], qk.shape[-1]
