@@ -449,4 +449,10 @@ static struct PyModuleDef module = {
     "Fused norm, rotary and activation kernels (see csrc/fused_ops.c).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__fused_ops(void) { return PyModule_Create(&module); }
+/* ROTATION_ONLY: qk_norm_rope takes NULL weights (the rotation alone); a build without the
+ * constant would read through them, so the launcher asks for it first. */
+PyMODINIT_FUNC PyInit__fused_ops(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ROTATION_ONLY", 1) < 0) Py_CLEAR(m);
+    return m;
+}

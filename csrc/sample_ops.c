@@ -46,7 +46,8 @@ typedef struct {
 
 typedef void (*RowsFn)(const ArgmaxArgs *a, int64_t begin, int64_t end);
 
-/* Exact compares and selects only: no fast-math (the library's default) here. */
+/* Exact compares and selects only: no fast-math (the library's default) down to the level
+ * copies below, which the rows are inlined into. */
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 
@@ -99,8 +100,6 @@ INLINE void argmax_rows(const ArgmaxArgs *a, const int bf16, int64_t begin, int6
     }
 }
 
-#pragma GCC pop_options
-
 #define ROWS(name, bf16)                                                              \
     static void name##_base(const ArgmaxArgs *a, int64_t b, int64_t e) {              \
         argmax_rows(a, bf16, b, e);                                                   \
@@ -123,6 +122,8 @@ INLINE void argmax_rows(const ArgmaxArgs *a, const int bf16, int64_t begin, int6
 
 ROWS(argmax_f32, 0)
 ROWS(argmax_bf16, 1)
+
+#pragma GCC pop_options
 
 /* Rows [0, rows) in one contiguous range per thread, each row whole on its thread (the
  * OpenMP region out here, as in fused_ops.c, so the workers keep their target attributes).

@@ -546,3 +546,45 @@ def test_outputs_are_cpu_tensors_under_another_default_device() -> None:
     assert norm.is_cpu and total is not None and total.is_cpu and silu.is_cpu
     assert torch.equal(norm, want_norm[0]) and torch.equal(total, want_norm[1])
     torch.testing.assert_close(silu, want_silu)
+
+
+def test_the_rotation_alone_needs_no_sum_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a norm nothing is summed: the rotation stays on the kernel where torch's sum
+    order is unknown (the norms then fall back to torch)."""
+    monkeypatch.setattr(fused_ops_cpu, "torch_sum_lanes", lambda: None)
+    qk = torch.randn(3, 4, 16)
+    assert not fused_ops_cpu.fused_ok(qk) and fused_ops_cpu.fused_ok(qk, rotation_only=True)
+    rotary = RotaryEmbedding(16, RopeSpec(theta=1e4))
+    positions = torch.tensor([1, 50, 900])
+    want = rotary.rotate(positions, qk)
+    got = rotary.rotate_(positions, qk)
+    assert got.data_ptr() == qk.data_ptr() and torch.equal(got, want)
+
+
+class _WithoutRotationOnly:
+    """A build from before the rotation alone: the same entry points, no ROTATION_ONLY."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "ROTATION_ONLY":
+            raise AttributeError(name)
+        return getattr(self._module, name)
+
+
+def test_a_build_without_the_rotation_alone_is_never_handed_null_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = fused_ops_cpu._COMPILED
+    assert real is not None
+    monkeypatch.setattr(
+        fused_ops_cpu, "_COMPILED", replace(real, module=_WithoutRotationOnly(real.module))
+    )
+    qk = torch.randn(3, 4, 16)
+    before = qk.clone()
+    assert not fused_ops_cpu.fused_ok(qk, rotation_only=True)
+    cos, sin = RotaryEmbedding(16, RopeSpec(theta=1e4)).cos_signed_sin(torch.arange(3), qk.dtype)
+    with pytest.raises(RuntimeError, match="predates the rotation alone"):
+        qk_norm_rope_cpu_(qk, None, None, 0, EPS, cos, sin)
+    assert torch.equal(qk, before)

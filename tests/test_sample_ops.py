@@ -87,7 +87,8 @@ def test_drawn_rows_agree_with_the_reference_at_every_level(
     rows: int, vocab: int, data: st.DataObject, dtype: torch.dtype, pad: int
 ) -> None:
     values = data.draw(st.lists(VALUES, min_size=rows * vocab, max_size=rows * vocab))
-    # Mostly finite rows: an infinity or NaN is drawn at a tenth of the positions at most.
+    # Half the examples all finite (their argmax then counts); the others have a non-finite
+    # value at about a third of their positions.
     finite = data.draw(st.booleans())
     if finite:
         values = [v if math.isfinite(v) else 0.5 for v in values]
@@ -176,6 +177,7 @@ def test_the_greedy_sampler_takes_the_first_argmax_and_refuses_non_finite_rows(
         return argmax_finite_cpu(logits)
 
     monkeypatch.setattr(sample_ops_cpu, "argmax_finite_cpu", spy)
+    copies = widening_copies(monkeypatch)
     rows = [_row(50, {10: 4.0, 40: 4.0}), _row(50, {33: INF}), _row(50, {49: 7.0, 2: NAN})]
     rows.append(_row(50, {20: -1.0}, fill=-2.0))
     logits = torch.tensor(rows, dtype=dtype)
@@ -183,9 +185,26 @@ def test_the_greedy_sampler_takes_the_first_argmax_and_refuses_non_finite_rows(
     got = Sampler()(logits, params, [None] * len(rows))
     assert got == [10, None, None, 20]
     assert calls == [dtype]  # one pass, on the model's own dtype
+    assert copies == []  # and no float32 copy of the logits
 
 
-def test_a_sampled_row_beside_greedy_ones_still_draws_from_its_logits() -> None:
+def widening_copies(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """Records the dtype of every tensor ``.float()`` is called on from now on."""
+    seen: list[torch.dtype] = []
+    widen = torch.Tensor.float
+
+    def recording(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(self.dtype)
+        return widen(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "float", recording)
+    return seen
+
+
+def test_a_sampled_row_beside_greedy_ones_still_draws_from_its_logits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    copies = widening_copies(monkeypatch)
     logits = torch.full((3, 30), -50.0, dtype=torch.bfloat16)
     logits[0, 4] = logits[1, 9] = logits[2, 27] = 10.0
     params = [
@@ -195,3 +214,4 @@ def test_a_sampled_row_beside_greedy_ones_still_draws_from_its_logits() -> None:
     ]
     gens = [None, torch.Generator().manual_seed(3), None]
     assert Sampler()(logits, params, gens) == [4, 9, 27]
+    assert torch.bfloat16 in copies  # the draw needs float32 logits: the recorder sees it

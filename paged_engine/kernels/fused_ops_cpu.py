@@ -30,18 +30,9 @@ import torch
 from paged_engine import platform
 from paged_engine.kernels.cpu_library import level_code, load_fused_module
 
-__all__ = [
-    "DTYPES",
-    "MAX_COLS",
-    "PARALLEL_MIN_ELEMENTS",
-    "add_rms_norm_cpu",
-    "fused_ok",
-    "fused_ops_problem",
-    "isa_levels",
-    "qk_norm_rope_cpu_",
-    "silu_and_mul_cpu",
-    "torch_sum_lanes",
-]
+__all__ = ["DTYPES", "MAX_COLS", "PARALLEL_MIN_ELEMENTS", "add_rms_norm_cpu", "fused_ok"]
+__all__ += ["fused_ops_problem", "isa_levels", "qk_norm_rope_cpu_", "silu_and_mul_cpu"]
+__all__ += ["torch_sum_lanes"]
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """The dtypes the kernels take, with the code the C entry points read."""
@@ -84,11 +75,15 @@ def torch_sum_lanes() -> int | None:
     return None
 
 
-def fused_ok(*tensors: torch.Tensor) -> bool:
+def fused_ok(*tensors: torch.Tensor, rotation_only: bool = False) -> bool:
     """Whether the kernels take these tensors: all on the CPU, all float32 or all bfloat16,
     with a unit last stride, none needing a gradient, and the kernels built with a known
-    sum order. A few attribute reads a tensor: the modules ask on every call."""
-    if _COMPILED is None or torch_sum_lanes() is None:
+    sum order (``rotation_only``, for ``qk_norm_rope_cpu_`` without weights: no sum order,
+    but a build that takes no weights). A few attribute reads a tensor: the modules ask on
+    every call."""
+    if _COMPILED is None or not (
+        _rotation_only_built() if rotation_only else torch_sum_lanes() is not None
+    ):
         return False
     dtype = tensors[0].dtype
     if dtype not in DTYPES:
@@ -101,6 +96,10 @@ def fused_ok(*tensors: torch.Tensor) -> bool:
         and (t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1)
         for t in tensors
     )
+
+
+def _rotation_only_built() -> bool:
+    return _COMPILED is not None and getattr(_COMPILED.module, "ROTATION_ONLY", 0) == 1
 
 
 def _threads(elements: int) -> int:
@@ -225,6 +224,8 @@ def qk_norm_rope_cpu_(
     if len(given) == 1:
         raise ValueError(f"{what}: give both q_weight and k_weight, or neither")
     _check(what, qk.dtype, qk=qk, cos=cos, sin=signed_sin, **given)
+    if not given and not _rotation_only_built():
+        raise RuntimeError(f"{what}: this build predates the rotation alone; rebuild it")
     if qk.dim() != 3 or qk.stride(1) != qk.shape[2]:
         raise ValueError(
             f"{what}: qk must be [tokens, heads, head_dim] with contiguous heads, got "
@@ -245,7 +246,8 @@ def qk_norm_rope_cpu_(
         raise ValueError(f"{what}: cos and sin need one row stride, got {cos.stride()}")
     if d % 2 or not 2 <= d <= MAX_COLS:
         raise ValueError(f"{what}: head_dim {d} must be even and at most {MAX_COLS}")
-    module, lanes, level = _module(what), _lanes(what), level_code(what, isa, isa_levels())
+    lanes = _lanes(what) if given else 16  # no norm, no sum: any width the kernel takes
+    module, level = _module(what), level_code(what, isa, isa_levels())
     if tokens and heads:
         module.qk_norm_rope(
             qk.data_ptr(),
