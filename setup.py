@@ -143,7 +143,12 @@ setup(
                 "csrc/sample_ops.c",
             ],
             # The kernel template and shared declarations: a change to any rebuilds.
-            depends=["csrc/isa.h", "csrc/paged_decode_cpu.h", "csrc/paged_decode_head.h"],
+            depends=[
+                "csrc/isa.h",
+                "csrc/levels.h",
+                "csrc/paged_decode_cpu.h",
+                "csrc/paged_decode_head.h",
+            ],
             include_dirs=["csrc"],
             # No -march: the x86-64-v3/v4 and AVX512-BF16 copies carry their own target
             # attributes (csrc/isa.h) and the launchers choose one per call from

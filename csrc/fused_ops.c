@@ -42,35 +42,12 @@
 #endif
 
 #include "isa.h"
+#include "levels.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* A worker: items [begin, end) of a call (rows, or (token, head) pairs). */
-typedef void (*RangeFn)(const void *args, int lanes, int64_t begin, int64_t end);
-
-/* `name`'s workers, one per instruction-set level (isa.h): name##_levels[isa], NULL where
- * this build lacks the level. The launcher picks the level. Each runs `body` (over the
- * arguments a, L, begin, end), compiled for its level; the exact sections below keep one
- * arithmetic, so the norms and the rotation give the same bits at every level. */
-#ifdef HAVE_X86_LEVELS
-#define LEVELS(name, body)                                                                  \
-    static void name##_base(const void *a, int L, int64_t begin, int64_t end) { body; }     \
-    ATTR_X86_64_V3 static void name##_v3(const void *a, int L, int64_t begin, int64_t end) { \
-        body;                                                                               \
-    }                                                                                       \
-    ATTR_X86_64_V4 static void name##_v4(const void *a, int L, int64_t begin, int64_t end) { \
-        body;                                                                               \
-    }                                                                                       \
-    static const RangeFn name##_levels[ISA_LEVELS] = {name##_base, name##_v3, name##_v4};
-#else
-#define LEVELS(name, body)                                                              \
-    static void name##_base(const void *a, int L, int64_t begin, int64_t end) { body; } \
-    static const RangeFn name##_levels[ISA_LEVELS] = {name##_base, NULL, NULL};
-#endif
-
 #define MAX_COLS 16384 /* a row's widened copy lives on the stack */
 #define MAX_LANES 16
-enum { DT_F32 = 0, DT_BF16 = 1 };
 
 INLINE float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -281,49 +258,7 @@ INLINE void silu_and_mul_rows(const SiluArgs *a, const int bf16, int64_t begin, 
 LEVELS(silu_and_mul_f32, ((void)L, silu_and_mul_rows(a, 0, begin, end)))
 LEVELS(silu_and_mul_bf16, ((void)L, silu_and_mul_rows(a, 1, begin, end)))
 
-/* Items [0, count) split into one contiguous range per thread, each computed whole by its
- * thread (so the bits do not depend on the thread count). The OpenMP region lives out here,
- * not in the workers: GCC outlines a region's body into a function of its own, which would
- * lose the workers' target attributes. Returns the number of threads that ran. */
-
-static int run_ranges(RangeFn fn, const void *args, int lanes, int64_t count, int threads) {
-#ifdef _OPENMP
-    if (threads > 1 && count > 1) {
-        int team = 1;
-#pragma omp parallel num_threads(threads)
-        {
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            if (t == 0) team = (int)nt;
-            fn(args, lanes, count * t / nt, count * (t + 1) / nt);
-        }
-        return team;
-    }
-#endif
-    (void)threads;
-    fn(args, lanes, 0, count);
-    return 1;
-}
-
 /* ------------------------------------------------------------------ Python entry points */
-
-/* The worker for `dtype` at level `isa` from the op's two tables, or NULL with a
- * ValueError set where either is not one this module has and this CPU runs. */
-static RangeFn pick(const RangeFn f32[ISA_LEVELS], const RangeFn bf16[ISA_LEVELS], int dtype,
-                    int isa) {
-    if (dtype != DT_F32 && dtype != DT_BF16) {
-        PyErr_Format(PyExc_ValueError, "fused ops: dtype code %d is not 0 (f32) or 1 (bf16)",
-                     dtype);
-        return NULL;
-    }
-    const RangeFn fn = isa >= 0 && isa < ISA_LEVELS ? (dtype == DT_F32 ? f32 : bf16)[isa] : NULL;
-    if (fn == NULL || !isa_usable(isa)) {
-        PyErr_Format(PyExc_ValueError,
-                     "fused ops: instruction-set level %d is not built or not run by this CPU",
-                     isa);
-        return NULL;
-    }
-    return fn;
-}
 
 static int check_common(int lanes, int threads, int64_t cols) {
     if (lanes != 8 && lanes != 16) {
@@ -353,7 +288,8 @@ static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
                           &res_out, &a.ros, &w, &a.rows, &a.n, &a.eps, &dtype, &lanes,
                           &threads, &isa))
         return NULL;
-    const RangeFn fn = pick(add_rms_norm_f32_levels, add_rms_norm_bf16_levels, dtype, isa);
+    const RangeFn fn =
+        pick("fused ops", add_rms_norm_f32_levels, add_rms_norm_bf16_levels, dtype, isa);
     if (fn == NULL || check_common(lanes, threads, a.n) < 0) return NULL;
     if (a.rows < 0 || (res != 0) != (res_out != 0)) {
         PyErr_SetString(PyExc_ValueError,
@@ -378,7 +314,8 @@ static PyObject *py_qk_norm_rope(PyObject *self, PyObject *args) {
                           &wq, &wk, &cos, &sin, &a.cs, &a.d, &a.eps, &dtype, &lanes, &threads,
                           &isa))
         return NULL;
-    const RangeFn fn = pick(qk_norm_rope_f32_levels, qk_norm_rope_bf16_levels, dtype, isa);
+    const RangeFn fn =
+        pick("fused ops", qk_norm_rope_f32_levels, qk_norm_rope_bf16_levels, dtype, isa);
     if (fn == NULL || check_common(lanes, threads, a.d) < 0) return NULL;
     if (a.tokens < 0 || a.d % 2 || a.q_heads < 0 || a.q_heads > a.heads || !wq != !wk) {
         PyErr_SetString(PyExc_ValueError,
@@ -403,7 +340,8 @@ static PyObject *py_silu_and_mul(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KLKLLLiii", &x, &a.xs, &out, &a.os, &rows, &a.d, &dtype,
                           &threads, &isa))
         return NULL;
-    const RangeFn fn = pick(silu_and_mul_f32_levels, silu_and_mul_bf16_levels, dtype, isa);
+    const RangeFn fn =
+        pick("fused ops", silu_and_mul_f32_levels, silu_and_mul_bf16_levels, dtype, isa);
     if (fn == NULL || check_common(8, threads, 1) < 0) return NULL;
     if (rows < 0 || a.d < 0) {
         PyErr_SetString(PyExc_ValueError, "silu_and_mul: rows and d must be >= 0");
@@ -449,8 +387,8 @@ static struct PyModuleDef module = {
     "Fused norm, rotary and activation kernels (see csrc/fused_ops.c).", -1, methods,
 };
 
-/* ROTATION_ONLY: qk_norm_rope takes NULL weights (the rotation alone); a build without the
- * constant would read through them, so the launcher asks for it first. */
+/* ROTATION_ONLY: qk_norm_rope takes NULL weights (the rotation alone). A build without the
+ * constant would read through them: the loader refuses it (kernels/cpu_library.py). */
 PyMODINIT_FUNC PyInit__fused_ops(void) {
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "ROTATION_ONLY", 1) < 0) Py_CLEAR(m);

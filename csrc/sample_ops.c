@@ -27,15 +27,12 @@
 
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "isa.h"
+#include "levels.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define LANES 16
-enum { DT_F32 = 0, DT_BF16 = 1 };
 
 typedef struct {
     const void *x;
@@ -43,8 +40,6 @@ typedef struct {
     uint8_t *ok;
     int64_t stride, n;
 } ArgmaxArgs;
-
-typedef void (*RowsFn)(const ArgmaxArgs *a, int64_t begin, int64_t end);
 
 /* Exact compares and selects only: no fast-math (the library's default) down to the level
  * copies below, which the rows are inlined into. */
@@ -73,7 +68,8 @@ INLINE float as_float(uint32_t u) {
         best[l] = v > best[l] ? v : best[l];                \
     } while (0)
 
-INLINE void argmax_rows(const ArgmaxArgs *a, const int bf16, int64_t begin, int64_t end) {
+INLINE void argmax_rows(const void *args, const int bf16, int64_t begin, int64_t end) {
+    const ArgmaxArgs *a = args;
     const int64_t n = a->n;
     for (int64_t i = begin; i < end; i++) {
         const char *row = (const char *)a->x + i * a->stride * (bf16 ? 2 : 4);
@@ -100,51 +96,10 @@ INLINE void argmax_rows(const ArgmaxArgs *a, const int bf16, int64_t begin, int6
     }
 }
 
-#define ROWS(name, bf16)                                                              \
-    static void name##_base(const ArgmaxArgs *a, int64_t b, int64_t e) {              \
-        argmax_rows(a, bf16, b, e);                                                   \
-    }                                                                                 \
-    LEVEL_COPIES(name, bf16)
-
-#ifdef HAVE_X86_LEVELS
-#define LEVEL_COPIES(name, bf16)                                                            \
-    ATTR_X86_64_V3 static void name##_v3(const ArgmaxArgs *a, int64_t b, int64_t e) {       \
-        argmax_rows(a, bf16, b, e);                                                         \
-    }                                                                                       \
-    ATTR_X86_64_V4 static void name##_v4(const ArgmaxArgs *a, int64_t b, int64_t e) {       \
-        argmax_rows(a, bf16, b, e);                                                         \
-    }                                                                                       \
-    static const RowsFn name##_levels[ISA_LEVELS] = {name##_base, name##_v3, name##_v4};
-#else
-#define LEVEL_COPIES(name, bf16) \
-    static const RowsFn name##_levels[ISA_LEVELS] = {name##_base, NULL, NULL};
-#endif
-
-ROWS(argmax_f32, 0)
-ROWS(argmax_bf16, 1)
+LEVELS(argmax_f32, ((void)L, argmax_rows(a, 0, begin, end)))
+LEVELS(argmax_bf16, ((void)L, argmax_rows(a, 1, begin, end)))
 
 #pragma GCC pop_options
-
-/* Rows [0, rows) in one contiguous range per thread, each row whole on its thread (the
- * OpenMP region out here, as in fused_ops.c, so the workers keep their target attributes).
- * Returns the number of threads that ran. */
-static int run_rows(RowsFn fn, const ArgmaxArgs *a, int64_t rows, int threads) {
-#ifdef _OPENMP
-    if (threads > 1 && rows > 1) {
-        int team = 1;
-#pragma omp parallel num_threads(threads)
-        {
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            if (t == 0) team = (int)nt;
-            fn(a, rows * t / nt, rows * (t + 1) / nt);
-        }
-        return team;
-    }
-#endif
-    (void)threads;
-    fn(a, 0, rows);
-    return 1;
-}
 
 #define PTR(v) ((void *)(uintptr_t)(v))
 
@@ -157,21 +112,8 @@ static PyObject *py_argmax_finite(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KLLLKKiii", &x, &a.stride, &rows, &a.n, &tokens, &ok, &dtype,
                           &threads, &isa))
         return NULL;
-    if (dtype != DT_F32 && dtype != DT_BF16) {
-        PyErr_Format(PyExc_ValueError, "argmax_finite: dtype code %d is not 0 (f32) or 1 (bf16)",
-                     dtype);
-        return NULL;
-    }
-    const RowsFn fn = isa >= 0 && isa < ISA_LEVELS
-                          ? (dtype == DT_F32 ? argmax_f32_levels : argmax_bf16_levels)[isa]
-                          : NULL;
-    if (fn == NULL || !isa_usable(isa)) {
-        PyErr_Format(PyExc_ValueError,
-                     "argmax_finite: instruction-set level %d is not built or not run by this "
-                     "CPU",
-                     isa);
-        return NULL;
-    }
+    const RangeFn fn = pick("argmax_finite", argmax_f32_levels, argmax_bf16_levels, dtype, isa);
+    if (fn == NULL) return NULL;
     if (rows < 0 || a.n < 1 || a.n > INT32_MAX || threads < 1) {
         PyErr_SetString(PyExc_ValueError,
                         "argmax_finite: needs rows >= 0, 1 <= n <= 2**31 - 1 and threads >= 1");
@@ -180,7 +122,7 @@ static PyObject *py_argmax_finite(PyObject *self, PyObject *args) {
     a.x = PTR(x), a.tokens = PTR(tokens), a.ok = PTR(ok);
     int team;
     Py_BEGIN_ALLOW_THREADS;
-    team = run_rows(fn, &a, rows, threads);
+    team = run_ranges(fn, &a, 0, rows, threads);
     Py_END_ALLOW_THREADS;
     return PyLong_FromLong(team);
 }

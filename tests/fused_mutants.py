@@ -35,12 +35,6 @@ enough to catch a mutant."""
 
 
 @functools.cache
-def build_fused_module(name: str, patch: Path) -> ModuleType:
-    """csrc/fused_ops.c with ``patch`` applied, built alone as the ``_fused_ops`` module."""
-    return build_library_module(name, patch, "fused_ops.c", "_fused_ops")
-
-
-@functools.cache
 def build_library_module(name: str, patch: Path, source: str, module: str) -> ModuleType:
     """csrc/``source`` (one of the library's modules beside the decode kernel) with
     ``patch`` applied, built alone as ``module``."""
@@ -68,7 +62,8 @@ class FusedMutant:
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        module = build_fused_module(self.name, PATCH_DIR / f"{self.name}.patch")
+        patch = PATCH_DIR / f"{self.name}.patch"
+        module = build_library_module(self.name, patch, "fused_ops.c", "_fused_ops")
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused_ops_cpu, "_COMPILED", CompiledModule.of(module))
             yield

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from paged_engine import platform
 from paged_engine.kernels import fused_ops_cpu
-from paged_engine.kernels.cpu_library import ISA_CODES
+from paged_engine.kernels.cpu_library import FUSED_REQUIRES, ISA_CODES, described
 from paged_engine.kernels.fused_ops_cpu import (
     MAX_COLS,
     add_rms_norm_cpu,
@@ -383,6 +383,7 @@ BAD_CALLS: list[tuple[Any, str]] = [
     (lambda t: qk_norm_rope_cpu_(t["qk"], t["w8"], t["w8"], 2, EPS, t["c"][:1], t["s"]), "cos"),
     (lambda t: qk_norm_rope_cpu_(t["qk"], t["w8"], t["w8"], 4, EPS, t["c"], t["s"]), "heads 4"),
     (lambda t: qk_norm_rope_cpu_(t["qk"], t["w8"], t["w8"][:4], 2, EPS, t["c"], t["s"]), "k_we"),
+    (lambda t: qk_norm_rope_cpu_(t["qk"], t["w8"], None, 2, EPS, t["c"], t["s"]), "or neither"),
     (
         lambda t: qk_norm_rope_cpu_(
             t["qk"].transpose(0, 1), t["w8"], t["w8"], 1, EPS, t["c"], t["s"]
@@ -553,7 +554,7 @@ def test_the_rotation_alone_needs_no_sum_order(monkeypatch: pytest.MonkeyPatch) 
     order is unknown (the norms then fall back to torch)."""
     monkeypatch.setattr(fused_ops_cpu, "torch_sum_lanes", lambda: None)
     qk = torch.randn(3, 4, 16)
-    assert not fused_ops_cpu.fused_ok(qk) and fused_ops_cpu.fused_ok(qk, rotation_only=True)
+    assert not fused_ops_cpu.fused_ok(qk) and fused_ops_cpu.fused_ok(qk, sum_order=False)
     rotary = RotaryEmbedding(16, RopeSpec(theta=1e4))
     positions = torch.tensor([1, 50, 900])
     want = rotary.rotate(positions, qk)
@@ -573,18 +574,11 @@ class _WithoutRotationOnly:
         return getattr(self._module, name)
 
 
-def test_a_build_without_the_rotation_alone_is_never_handed_null_weights(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_build_without_the_rotation_alone_is_refused_at_load() -> None:
+    """Such a build would read through the NULL weights of ``rotate_``: the loader turns it
+    away with the reason, and the layers then stay on torch (``fused_ok`` is False)."""
     real = fused_ops_cpu._COMPILED
     assert real is not None
-    monkeypatch.setattr(
-        fused_ops_cpu, "_COMPILED", replace(real, module=_WithoutRotationOnly(real.module))
-    )
-    qk = torch.randn(3, 4, 16)
-    before = qk.clone()
-    assert not fused_ops_cpu.fused_ok(qk, rotation_only=True)
-    cos, sin = RotaryEmbedding(16, RopeSpec(theta=1e4)).cos_signed_sin(torch.arange(3), qk.dtype)
-    with pytest.raises(RuntimeError, match="predates the rotation alone"):
-        qk_norm_rope_cpu_(qk, None, None, 0, EPS, cos, sin)
-    assert torch.equal(qk, before)
+    assert described(real.module, FUSED_REQUIRES)[0] is not None
+    module, why = described(_WithoutRotationOnly(real.module), FUSED_REQUIRES)
+    assert module is None and why is not None and "the rotation without the q/k norm" in why

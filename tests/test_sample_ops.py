@@ -171,12 +171,13 @@ def test_the_greedy_sampler_takes_the_first_argmax_and_refuses_non_finite_rows(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
+    launch = sample_ops_cpu._launch
 
-    def spy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def spy(logits: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(logits.dtype)
-        return argmax_finite_cpu(logits)
+        return launch(logits, level)
 
-    monkeypatch.setattr(sample_ops_cpu, "argmax_finite_cpu", spy)
+    monkeypatch.setattr(sample_ops_cpu, "_launch", spy)
     copies = widening_copies(monkeypatch)
     rows = [_row(50, {10: 4.0, 40: 4.0}), _row(50, {33: INF}), _row(50, {49: 7.0, 2: NAN})]
     rows.append(_row(50, {20: -1.0}, fill=-2.0))

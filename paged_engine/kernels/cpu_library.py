@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from types import ModuleType
 
 __all__ = [
+    "FUSED_REQUIRES",
     "ISA_CODES",
     "CompiledModule",
+    "described",
     "level_code",
     "load_decode_module",
     "load_fused_module",
@@ -72,9 +74,14 @@ def level_code(what: str, isa: str | None, levels: tuple[str, ...]) -> int:
     return ISA_CODES[isa]
 
 
-def _described(module: ModuleType) -> Loaded:
+def described(module: ModuleType, requires: tuple[tuple[str, str], ...] = ()) -> Loaded:
+    """``module`` bound, or None and why where it lacks the instruction-set levels or one of
+    ``requires``' attributes (each named with what a build without it predates)."""
     if not hasattr(module, "isa_levels"):
         return None, "the compiled CPU kernels predate the instruction-set levels; rebuild them"
+    for attribute, feature in requires:
+        if not hasattr(module, attribute):
+            return None, f"the compiled CPU kernels predate {feature}; rebuild them"
     return CompiledModule.of(module), None
 
 
@@ -87,12 +94,13 @@ def load_decode_module() -> Loaded:
             f"the compiled CPU kernels are not built ({exc}); reinstall paged_engine on a "
             "machine with a C compiler"
         )
-    return _described(module)
+    return described(module)
 
 
-def _load_other_module(name: str, what: str) -> Loaded:
+def _load_other_module(name: str, what: str, requires: tuple[tuple[str, str], ...] = ()) -> Loaded:
     """Module ``paged_engine.<name>`` of the library (another init function in the same
-    file), or why it cannot be used (``what`` names it in the reason)."""
+    file), or why it cannot be used (``what`` names it in the reason; ``requires`` as
+    ``described``'s)."""
     spec = importlib.util.find_spec(LIBRARY)
     if spec is None or spec.origin is None:
         return None, f"the compiled CPU kernels are not built (no {LIBRARY})"
@@ -105,13 +113,18 @@ def _load_other_module(name: str, what: str) -> Loaded:
         loader.exec_module(module)
     except ImportError as exc:
         return None, f"the compiled CPU kernels predate {what} ({exc}); rebuild them"
-    return _described(module)
+    return described(module, requires)
+
+
+FUSED_REQUIRES = (("ROTATION_ONLY", "the rotation without the q/k norm"),)
+"""What a fused-ops build must say of itself: ``qk_norm_rope`` taking no weights (an older
+build would read through the NULL pointers)."""
 
 
 def load_fused_module() -> Loaded:
     """The fused ops' module (``_fused_ops``, the library's second init function), or why
     it cannot be used."""
-    return _load_other_module("_fused_ops", "the fused ops")
+    return _load_other_module("_fused_ops", "the fused ops", FUSED_REQUIRES)
 
 
 def load_sample_module() -> Loaded:

@@ -75,15 +75,12 @@ def torch_sum_lanes() -> int | None:
     return None
 
 
-def fused_ok(*tensors: torch.Tensor, rotation_only: bool = False) -> bool:
+def fused_ok(*tensors: torch.Tensor, sum_order: bool = True) -> bool:
     """Whether the kernels take these tensors: all on the CPU, all float32 or all bfloat16,
-    with a unit last stride, none needing a gradient, and the kernels built with a known
-    sum order (``rotation_only``, for ``qk_norm_rope_cpu_`` without weights: no sum order,
-    but a build that takes no weights). A few attribute reads a tensor: the modules ask on
-    every call."""
-    if _COMPILED is None or not (
-        _rotation_only_built() if rotation_only else torch_sum_lanes() is not None
-    ):
+    with a unit last stride, none needing a gradient, and (unless ``sum_order`` is False:
+    the rotation alone sums nothing) torch's sum order known to the kernels. A few
+    attribute reads a tensor: the modules ask on every call."""
+    if _COMPILED is None or (sum_order and torch_sum_lanes() is None):
         return False
     dtype = tensors[0].dtype
     if dtype not in DTYPES:
@@ -96,10 +93,6 @@ def fused_ok(*tensors: torch.Tensor, rotation_only: bool = False) -> bool:
         and (t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1)
         for t in tensors
     )
-
-
-def _rotation_only_built() -> bool:
-    return _COMPILED is not None and getattr(_COMPILED.module, "ROTATION_ONLY", 0) == 1
 
 
 def _threads(elements: int) -> int:
@@ -224,8 +217,6 @@ def qk_norm_rope_cpu_(
     if len(given) == 1:
         raise ValueError(f"{what}: give both q_weight and k_weight, or neither")
     _check(what, qk.dtype, qk=qk, cos=cos, sin=signed_sin, **given)
-    if not given and not _rotation_only_built():
-        raise RuntimeError(f"{what}: this build predates the rotation alone; rebuild it")
     if qk.dim() != 3 or qk.stride(1) != qk.shape[2]:
         raise ValueError(
             f"{what}: qk must be [tokens, heads, head_dim] with contiguous heads, got "

@@ -81,10 +81,24 @@ def argmax_finite_cpu(
             f"unit-stride rows, got {logits.dtype} {tuple(logits.shape)} on {logits.device} "
             f"with strides {logits.stride()}{' (lazily negated)' if logits.is_neg() else ''}"
         )
-    level = level_code(what, isa, isa_levels())
+    if logits.shape[1] >= 1 << 31:
+        raise ValueError(f"{what}: a vocabulary of {logits.shape[1]} is beyond its int32 index")
+    return _launch(logits, level_code(what, isa, isa_levels()))
+
+
+def argmax_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the sampler calls: the compiled pass where it takes the logits (on the CPU,
+    float32 or bfloat16: ``argmax_finite_ok``, asked once), else the torch reference, on
+    any device and dtype."""
+    if argmax_finite_ok(logits) and logits.shape[1] < 1 << 31:
+        return _launch(logits, level_code("argmax_finite", None, isa_levels()))
+    return argmax_finite_ref(logits)
+
+
+def _launch(logits: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on logits ``argmax_finite_ok`` accepted, at level code ``level``."""
+    assert _COMPILED is not None
     rows, vocab = logits.shape
-    if vocab >= 1 << 31:
-        raise ValueError(f"{what}: a vocabulary of {vocab} is beyond the kernel's int32 index")
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     ok = torch.empty(rows, dtype=torch.bool, device=logits.device)
     if rows:
@@ -101,11 +115,3 @@ def argmax_finite_cpu(
             level,
         )
     return tokens, ok
-
-
-def argmax_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the sampler calls: ``argmax_finite_cpu`` where it takes the logits (on the CPU,
-    float32 or bfloat16), else the torch reference, on any device and dtype."""
-    if argmax_finite_ok(logits):
-        return argmax_finite_cpu(logits)
-    return argmax_finite_ref(logits)

@@ -183,7 +183,7 @@ class RotaryEmbedding(nn.Module):
         """``rotate`` in place on the CPU where the fused kernel takes ``qk`` (the same
         bits: each product and the sum rounded as torch's ops round them), so pass a buffer
         nothing else reads, like the qkv projection's output; elsewhere a new tensor."""
-        if self._fused_layout(qk) and fused_ok(qk, rotation_only=True):
+        if self._fused_layout(qk) and fused_ok(qk, sum_order=False):
             cos, signed_sin = self.cos_signed_sin(positions, qk.dtype)
             return qk_norm_rope_cpu_(qk, None, None, 0, 0.0, cos, signed_sin)
         return self.rotate(positions, qk)
