@@ -13,12 +13,14 @@ raises ValueError naming it and leaves the logits as they were.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from paged_engine import LLM
 from paged_engine.kernels import sample_ops_cpu
 from paged_engine.kernels.sample_ops_cpu import argmax_finite_cpu, isa_levels
 from paged_engine.kernels.sample_ops_ref import argmax_finite_ref
@@ -216,3 +218,33 @@ def test_a_sampled_row_beside_greedy_ones_still_draws_from_its_logits(
     gens = [None, torch.Generator().manual_seed(3), None]
     assert Sampler()(logits, params, gens) == [4, 9, 27]
     assert torch.bfloat16 in copies  # the draw needs float32 logits: the recorder sees it
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_the_pass_raising_mid_step_leaves_the_engine_serving(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
+) -> None:
+    """The pass fails at the 3rd step's sampling (the model has written that step's K/V):
+    ``generate`` raises, and the engine is idle, its pool whole, and the next ``generate``
+    gives the tokens of a run without the fault."""
+    llm = LLM(tiny_model_dir, num_kvcache_blocks=16, kvcache_block_size=4, max_model_len=32)
+    prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [20, 21, 22]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    launch, calls = sample_ops_cpu._launch, [0]
+
+    def faulty(logits: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise error("injected fault in the sampler's pass")
+        return launch(logits, level)
+
+    monkeypatch.setattr(sample_ops_cpu, "_launch", faulty)
+    with pytest.raises(error, match="injected"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert calls[0] == 3
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    llm.engine.block_manager.check_invariants([])  # type: ignore[attr-defined]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert again == clean
