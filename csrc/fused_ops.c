@@ -56,17 +56,31 @@ INLINE float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Round to nearest, ties to even, as torch does (integer arithmetic: no FP mode involved);
- * a NaN stays a quiet NaN. */
-INLINE uint16_t f32_to_bf16(float f) {
+/* f rounded to bfloat16, as torch rounds (to nearest, ties to even; a NaN stays a quiet
+ * NaN), and widened back: the bfloat16 bits in the upper half of a float's, in 32-bit
+ * integer arithmetic (no FP mode involved). A rounding between two float32 steps stays in
+ * 32-bit lanes this way: the vectorised loops need not narrow to 16 bits and widen back. */
+INLINE float rnd_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+    const uint32_t nan = (u | 0x00400000u) & 0xffff0000u; /* the quiet bit set */
+    const uint32_t even = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? nan : even;
+    float out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* f rounded to bfloat16's 16 bits. */
+INLINE uint16_t f32_to_bf16(float f) {
+    const float r = rnd_bf16(f);
+    uint32_t u;
+    memcpy(&u, &r, sizeof u);
+    return (uint16_t)(u >> 16);
 }
 
 /* v rounded to the model dtype, kept as a float (exact for bfloat16 values). */
-INLINE float rnd(float v, const int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+INLINE float rnd(float v, const int bf16) { return bf16 ? rnd_bf16(v) : v; }
 
 INLINE float load(const void *p, int64_t i, const int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
