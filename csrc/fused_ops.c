@@ -93,6 +93,16 @@ INLINE void store(void *p, int64_t i, float v, const int bf16) {
         ((float *)p)[i] = v;
 }
 
+/* store() for a v already rounded to the model dtype (rnd's result): its upper half as is. */
+INLINE void store_rounded(void *p, int64_t i, float v, const int bf16) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    if (bf16)
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    else
+        ((float *)p)[i] = v;
+}
+
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 
@@ -185,7 +195,7 @@ INLINE void add_rms_norm_rows(const NormArgs *a, const int bf16, const int L, in
             char *ro = (char *)a->res_out + i * a->ros * (bf16 ? 2 : 4);
             for (int64_t j = 0; j < a->n; j++) {
                 row[j] = rnd(load(r, j, bf16) + load(x, j, bf16), bf16);
-                store(ro, j, row[j], bf16);
+                store_rounded(ro, j, row[j], bf16);
             }
         } else {
             for (int64_t j = 0; j < a->n; j++) row[j] = load(x, j, bf16);
