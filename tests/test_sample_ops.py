@@ -137,6 +137,8 @@ BAD = [
     (lambda: torch.zeros(2, 0), r"\(2, 0\)"),
     (lambda: torch.zeros(2, 5, device="meta"), "meta"),
     (lambda: torch._neg_view(torch.zeros(2, 5)), "negated"),
+    # no rows, so nothing is allocated: a vocabulary past the kernel's int32 index
+    (lambda: torch.empty(0, 1 << 31), r"\(0, 2147483648\)"),
 ]
 
 
@@ -148,6 +150,18 @@ def test_bad_logits_are_refused_by_name_and_left_alone(make: object, names: str)
         argmax_finite_cpu(logits)
     if before is not None:
         assert torch.equal(logits, before)
+
+
+def test_the_sampler_takes_the_reference_past_the_kernels_vocabulary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``argmax_finite`` (the sampler's call) leaves such logits to the torch reference."""
+    launched: list[int] = []
+    monkeypatch.setattr(sample_ops_cpu, "_launch", lambda *a: launched.append(1))
+    tokens, ok = sample_ops_cpu.argmax_finite(torch.empty(0, 1 << 31))
+    assert launched == [] and tokens.shape == (0,) and ok.shape == (0,)
+    sample_ops_cpu.argmax_finite(torch.zeros(1, 5))
+    assert launched == [1]  # the spy sees the kernel where it does take the logits
 
 
 def test_an_unknown_level_is_refused_by_name() -> None:

@@ -20,6 +20,7 @@ from paged_engine.kernels.sample_ops_ref import argmax_finite_ref
 
 __all__ = [
     "DTYPES",
+    "MAX_VOCAB",
     "PARALLEL_MIN_ELEMENTS",
     "argmax_finite",
     "argmax_finite_cpu",
@@ -30,6 +31,8 @@ __all__ = [
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """The dtypes the kernel takes, with the code its entry point reads."""
+MAX_VOCAB = (1 << 31) - 1
+"""The longest row the kernel takes: it keeps each row's argmax as an int32 index."""
 PARALLEL_MIN_ELEMENTS = 1 << 16
 """Below this many elements a call runs on one thread (as the fused ops: a choice, not a
 tuned figure); above it, ``torch.get_num_threads()`` threads, each row whole on one."""
@@ -53,13 +56,14 @@ def isa_levels() -> tuple[str, ...]:
 
 def argmax_finite_ok(logits: torch.Tensor) -> bool:
     """Whether ``argmax_finite_cpu`` takes ``logits``: the module is here, and they are a
-    2-D float32 or bfloat16 CPU tensor with rows of at least one unit-stride element."""
+    2-D float32 or bfloat16 CPU tensor with rows of 1 to ``MAX_VOCAB`` unit-stride
+    elements."""
     return (
         _COMPILED is not None
         and logits.dtype in DTYPES
         and logits.is_cpu
         and logits.dim() == 2
-        and logits.shape[1] >= 1
+        and 1 <= logits.shape[1] <= MAX_VOCAB
         and logits.stride(1) == 1
         and logits.stride(0) >= 0
         and not logits.is_neg()
@@ -76,13 +80,12 @@ def argmax_finite_cpu(
     if _COMPILED is None:
         raise RuntimeError(f"{what}: {_PROBLEM}")
     if not argmax_finite_ok(logits):
+        negated = " (lazily negated)" if logits.is_neg() else ""
         raise ValueError(
-            f"{what}: needs [rows, vocab >= 1] float32 or bfloat16 logits on the CPU with "
-            f"unit-stride rows, got {logits.dtype} {tuple(logits.shape)} on {logits.device} "
-            f"with strides {logits.stride()}{' (lazily negated)' if logits.is_neg() else ''}"
+            f"{what}: needs [rows, 1 <= vocab <= {MAX_VOCAB}] float32 or bfloat16 logits on "
+            f"the CPU with unit-stride rows, got {logits.dtype} {tuple(logits.shape)} on "
+            f"{logits.device} with strides {logits.stride()}{negated}"
         )
-    if logits.shape[1] >= 1 << 31:
-        raise ValueError(f"{what}: a vocabulary of {logits.shape[1]} is beyond its int32 index")
     return _launch(logits, level_code(what, isa, isa_levels()))
 
 
@@ -90,7 +93,7 @@ def argmax_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the sampler calls: the compiled pass where it takes the logits (on the CPU,
     float32 or bfloat16: ``argmax_finite_ok``, asked once), else the torch reference, on
     any device and dtype."""
-    if argmax_finite_ok(logits) and logits.shape[1] < 1 << 31:
+    if argmax_finite_ok(logits):
         return _launch(logits, level_code("argmax_finite", None, isa_levels()))
     return argmax_finite_ref(logits)
 
