@@ -30,6 +30,7 @@ from setuptools.command.build_ext import build_ext
 
 OPENMP = "-fopenmp"
 MVEC = "mvec"
+HONOUR_PRAGMAS = "-ffp-contract=fast-honor-pragmas"
 
 
 class BuildExt(build_ext):
@@ -37,7 +38,11 @@ class BuildExt(build_ext):
     compiler or linker refuses ``-fopenmp`` (clang without libomp, MSVC: the kernel then
     runs single-threaded, csrc/paged_decode_cpu.c's ``run_items`` is guarded by
     ``_OPENMP``), and glibc's vector math library where there is none (aarch64 before
-    glibc 2.38, whose headers then declare no vector expf either: the scalar one serves)."""
+    glibc 2.38, whose headers then declare no vector expf either: the scalar one serves).
+    And one flag more where the compiler takes it (clang's; GCC refuses it): clang's
+    -ffast-math fuses multiplies and adds across statements "disregarding pragmas", so the
+    exact sections' pragma (csrc/levels.h's EXACT_FP_BEGIN) would not keep FMAs out of
+    them without ``-ffp-contract=fast-honor-pragmas`` (tests/test_clang_build.py)."""
 
     def build_extensions(self) -> None:
         openmp = self._links(
@@ -45,7 +50,10 @@ class BuildExt(build_ext):
             flags=[OPENMP],
         )
         mvec = self._links("int main(void) { return 0; }\n", libraries=[MVEC])
+        honour = self._links("int main(void) { return 0; }\n", flags=[HONOUR_PRAGMAS])
         for ext in self.extensions:
+            if honour:
+                ext.extra_compile_args = [*ext.extra_compile_args, HONOUR_PRAGMAS]
             if not openmp:
                 ext.extra_compile_args = [a for a in ext.extra_compile_args if a != OPENMP]
                 ext.extra_link_args = [a for a in ext.extra_link_args if a != OPENMP]

@@ -22,10 +22,11 @@
  * mean square sums its squares in the order of torch's own CPU sum (its cascade of vector
  * lanes, `lanes` wide: the launcher measures the width torch uses), so both are bit for
  * bit torch's results. That needs exact IEEE arithmetic: those functions are compiled
- * without -ffast-math's reassociation and reciprocals and without FMA contraction (the
- * pragma below). silu_and_mul keeps fast-math for glibc's vectorised expf, whose last bit
- * can differ from torch's exp: it is close to torch, not equal (bfloat16 rounds the same
- * way as torch in between, see fused_ops_ref.py).
+ * without -ffast-math's reassociation and reciprocals and without FMA contraction
+ * (EXACT_FP_BEGIN below, csrc/levels.h: GCC's pragma or clang's). silu_and_mul keeps
+ * fast-math for glibc's vectorised expf, whose last bit can differ from torch's exp: it is
+ * close to torch, not equal (bfloat16 rounds the same way as torch in between, see
+ * fused_ops_ref.py).
  *
  * This file is one more module in the _cpu_kernels library (PEP 489's several modules in
  * one library: PyInit__fused_ops, loaded by the launcher under that name), so it shares
@@ -103,8 +104,7 @@ INLINE void store_rounded(void *p, int64_t i, float v, const int bf16) {
         ((float *)p)[i] = v;
 }
 
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math", "fp-contract=off")
+EXACT_FP_BEGIN
 
 /* torch's multi_row_sum over `size` groups of 4 consecutive L-wide units of x^2: a running
  * sum per (row k, lane), carried up 4 levels every `step` groups so that only partial sums
@@ -253,7 +253,7 @@ INLINE void qk_norm_rope_rows(const RopeArgs *a, const int bf16, const int L, in
 LEVELS(qk_norm_rope_f32, qk_norm_rope_rows(a, 0, L, begin, end))
 LEVELS(qk_norm_rope_bf16, qk_norm_rope_rows(a, 1, L, begin, end))
 
-#pragma GCC pop_options
+EXACT_FP_END
 
 typedef struct {
     const void *x;

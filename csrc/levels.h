@@ -15,6 +15,26 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
+/* Exact IEEE arithmetic for the functions defined between EXACT_FP_BEGIN and EXACT_FP_END,
+ * in a library that setup.py compiles with -ffast-math: no reassociation, no reciprocals,
+ * no FMA contraction, NaNs and infinities honoured. GCC and clang each spell it their own
+ * way and skip the other's pragma with at most a warning: a clang build once computed
+ * add_rms_norm with fast-math and differed from torch in the last bit
+ * (tests/test_clang_build.py builds the library with clang and compares). clang honours
+ * its contract(off) under -ffast-math only with -ffp-contract=fast-honor-pragmas, which
+ * setup.py adds where the compiler takes it. */
+#if defined(__clang_major__) /* clang's own: tests build GCC copies told -D__clang__ */
+#define EXACT_FP_BEGIN \
+    _Pragma("float_control(precise, on, push)") _Pragma("clang fp contract(off)")
+#define EXACT_FP_END _Pragma("float_control(pop)")
+#elif defined(__GNUC__)
+#define EXACT_FP_BEGIN \
+    _Pragma("GCC push_options") _Pragma("GCC optimize(\"no-fast-math\", \"fp-contract=off\")")
+#define EXACT_FP_END _Pragma("GCC pop_options")
+#else
+#error "csrc/levels.h: exact arithmetic needs GCC's or clang's pragmas (see EXACT_FP_BEGIN)"
+#endif
+
 /* A worker: items [begin, end) of a call (rows, or (token, head) pairs). */
 typedef void (*RangeFn)(const void *args, int lanes, int64_t begin, int64_t end);
 

@@ -43,8 +43,7 @@ typedef struct {
 
 /* Exact compares and selects only: no fast-math (the library's default) down to the level
  * copies below, which the rows are inlined into. */
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
+EXACT_FP_BEGIN
 
 /* Element j's float32 bits (a bfloat16 is the top half of its float32). */
 INLINE uint32_t bits(const void *row, int64_t j, const int bf16) {
@@ -99,7 +98,7 @@ INLINE void argmax_rows(const void *args, const int bf16, int64_t begin, int64_t
 LEVELS(argmax_f32, ((void)L, argmax_rows(a, 0, begin, end)))
 LEVELS(argmax_bf16, ((void)L, argmax_rows(a, 1, begin, end)))
 
-#pragma GCC pop_options
+EXACT_FP_END
 
 #define PTR(v) ((void *)(uintptr_t)(v))
 

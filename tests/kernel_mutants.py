@@ -154,31 +154,45 @@ test_compile_kernels.py): the interpreter computes them right."""
 # --------------------------------------------------------------------------------------------
 
 
-def setup_extension() -> Any:
-    """The ``Extension`` that setup.py declares, read by running setup.py with its
-    ``setup()`` call intercepted (nothing is built or installed)."""
+@functools.cache
+def setup_arguments() -> dict[str, Any]:
+    """What setup.py passes to ``setup()`` (its ``Extension``, its build command), read by
+    running setup.py with that call intercepted (nothing is built or installed)."""
     seen: dict[str, Any] = {}
     with mock.patch("setuptools.setup", lambda **kw: seen.update(kw)):
         runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
-    (ext,) = seen["ext_modules"]
+    return seen
+
+
+def setup_extension() -> Any:
+    """The ``Extension`` that setup.py declares."""
+    (ext,) = setup_arguments()["ext_modules"]
     return ext
 
 
-def compile_extension(name: str, ext: Any, work: Path) -> ModuleType:
-    """``ext`` (a setuptools ``Extension`` of sources under ``work``) compiled in ``work``
-    and loaded as a module of its own, named after mutant ``name``."""
+def build_extension(name: str, ext: Any, work: Path) -> Path:
+    """``ext`` (a setuptools ``Extension`` of sources under ``work``) compiled in ``work`` by
+    setup.py's own build command (which drops what the toolchain lacks: OpenMP, libmvec),
+    with the compiler ``CC`` names; the library's path."""
     from setuptools import Distribution
-    from setuptools.command.build_ext import build_ext
 
-    cmd = build_ext(Distribution({"name": f"mutant-{name}", "ext_modules": [ext]}))
-    cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
-    cmd.ensure_finalized()
-    cmd.run()
-    # The init symbol is PyInit_<the extension's last name>: keep it in the module name.
-    last = ext.name.rpartition(".")[2]
-    module = import_copy(f"_mutant_{name}.{last}", Path(cmd.get_ext_fullpath(ext.name)))
+    build_ext = setup_arguments()["cmdclass"]["build_ext"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGED_ENGINE_CACHE_DIR", str(work / "cache"))  # not the user's cache
+        cmd = build_ext(Distribution({"name": f"mutant-{name}", "ext_modules": [ext]}))
+        cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "tmp")
+        cmd.ensure_finalized()
+        cmd.run()
     shutil.rmtree(work / "tmp", ignore_errors=True)
-    return module
+    return Path(cmd.get_ext_fullpath(ext.name))
+
+
+def compile_extension(name: str, ext: Any, work: Path) -> ModuleType:
+    """``ext`` built (``build_extension``) and loaded as a module of its own, named after
+    mutant ``name``."""
+    library = build_extension(name, ext, work)
+    # The init symbol is PyInit_<the extension's last name>: keep it in the module name.
+    return import_copy(f"_mutant_{name}.{ext.name.rpartition('.')[2]}", library)
 
 
 OTHER_MODULES = ("fused_ops.c", "sample_ops.c")

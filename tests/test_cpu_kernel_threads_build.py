@@ -27,6 +27,8 @@ from tests.kernel_mutants import (
 )
 
 ROOT = checks_module.ROOT
+HONOUR = "-ffp-contract=fast-honor-pragmas"
+"""clang's flag that setup.py adds where the compiler takes it (GCC refuses it)."""
 
 
 # ---- the scheduling mutants: patched copies of the C driver, caught by the checks above ----
@@ -74,16 +76,19 @@ def test_a_build_without_openmp_runs_one_thread_with_the_same_bits() -> None:
 
 class _Compiler:
     """A stand-in for distutils' compiler: records what it is asked, refuses ``-fopenmp``
-    when ``openmp`` is False and linking libmvec when ``mvec`` is False."""
+    when ``openmp`` is False, linking libmvec when ``mvec`` is False, and clang's
+    ``-ffp-contract=fast-honor-pragmas`` when ``clang`` is False (as GCC does)."""
 
-    def __init__(self, openmp: bool, mvec: bool) -> None:
-        self.openmp, self.mvec = openmp, mvec
+    def __init__(self, openmp: bool, mvec: bool, clang: bool = False) -> None:
+        self.openmp, self.mvec, self.clang = openmp, mvec, clang
         self.asked: list[str] = []
 
     def compile(self, sources: list[str], **kw: Any) -> list[str]:
         self.asked.append("compile")
         if not self.openmp and "-fopenmp" in kw.get("extra_postargs", []):
             raise OSError("unrecognized command-line option '-fopenmp'")
+        if not self.clang and HONOUR in kw.get("extra_postargs", []):
+            raise OSError("unknown floating point contraction style 'fast-honor-pragmas'")
         return ["probe.o"]
 
     def link_executable(self, objects: list[str], name: str, **kw: Any) -> None:
@@ -92,12 +97,14 @@ class _Compiler:
             raise OSError("cannot find -lmvec")
 
 
+@pytest.mark.parametrize("clang", [False, True], ids=["gcc", "clang"])
 @pytest.mark.parametrize("mvec", [True, False], ids=["with-mvec", "without-mvec"])
 @pytest.mark.parametrize("openmp", [True, False], ids=["with-openmp", "without-openmp"])
-def test_setup_drops_only_what_the_toolchain_refuses(openmp: bool, mvec: bool) -> None:
+def test_setup_drops_only_what_the_toolchain_refuses(openmp: bool, mvec: bool, clang: bool) -> None:
     """OpenMP where ``-fopenmp`` does not compile or link; libmvec where it does not link
     (aarch64 before glibc 2.38 has none): the extension still builds, nothing else is
-    dropped."""
+    dropped. clang's pragma-honouring contraction flag is added where the compiler takes it
+    (csrc/levels.h), and only there."""
     seen: dict[str, Any] = {}
     with mock.patch("setuptools.setup", lambda **kw: seen.update(kw)):
         runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
@@ -106,20 +113,22 @@ def test_setup_drops_only_what_the_toolchain_refuses(openmp: bool, mvec: bool) -
     assert "mvec" in ext.libraries
     before = (list(ext.extra_compile_args), list(ext.extra_link_args), list(ext.libraries))
     cmd = seen["cmdclass"]["build_ext"](Distribution({"ext_modules": [ext]}))
-    cmd.extensions, cmd.compiler = [ext], _Compiler(openmp, mvec)
+    cmd.extensions, cmd.compiler = [ext], _Compiler(openmp, mvec, clang)
     parent = type(cmd).__mro__[1]
     with mock.patch.object(parent, "build_extensions", lambda self: None):
         cmd.build_extensions()
+    added = [HONOUR] if clang else []
     if openmp:
-        assert (ext.extra_compile_args, ext.extra_link_args) == before[:2]
+        assert (ext.extra_compile_args, ext.extra_link_args) == (before[0] + added, before[1])
     else:
-        assert ext.extra_compile_args == [a for a in before[0] if a != "-fopenmp"]
+        assert ext.extra_compile_args == [a for a in before[0] if a != "-fopenmp"] + added
         assert ext.extra_link_args == [a for a in before[1] if a != "-fopenmp"]
         assert "-O3" in ext.extra_compile_args  # nothing else dropped
     assert ext.libraries == (before[2] if mvec else [lib for lib in before[2] if lib != "mvec"])
     assert "m" in ext.libraries
-    # the OpenMP probe links only where it compiled; the libmvec probe always compiles
-    assert cmd.compiler.asked == (["compile", "link"] if openmp else ["compile"]) + [
-        "compile",
-        "link",
-    ]
+    # each probe links only where it compiled; the libmvec probe always compiles
+    assert cmd.compiler.asked == (
+        (["compile", "link"] if openmp else ["compile"])
+        + ["compile", "link"]
+        + (["compile", "link"] if clang else ["compile"])
+    )
