@@ -156,6 +156,7 @@ setup(
                 "csrc/levels.h",
                 "csrc/paged_decode_cpu.h",
                 "csrc/paged_decode_head.h",
+                "csrc/paged_decode_items.h",
             ],
             include_dirs=["csrc"],
             # No -march: the x86-64-v3/v4 and AVX512-BF16 copies carry their own target

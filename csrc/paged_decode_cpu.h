@@ -43,7 +43,7 @@ typedef void (*ItemFn)(const Args *a, int b, int kh0, int nkv);
  * of threads that ran. */
 int run_items(const Args *a, ItemFn item, int span);
 
-/* How many kv heads one item takes where the copy has runs (paged_decode_head.h): all of
+/* How many kv heads one item takes where the copy has runs (paged_decode_items.h): all of
  * them where there are 2, 3 or 4, each with a group of 2 or more query heads that fit an
  * item (ITEM_MAX_*), else 1. Only whole rows: a run of 4 of 8 kv heads (head_dim 128) still
  * jumps half a row at every token, and measured no faster than one kv head at a time. Not
