@@ -174,7 +174,11 @@ INLINE float sum_squares(const float *x, int64_t n, const int L) {
 
 /* 1 / sqrt(mean(x^2) + eps), as torch's mean (sum, then a true division) and rsqrt. */
 INLINE float inv_rms(const float *x, int64_t n, float eps, const int L) {
-    const float mean = (L == 8 ? sum_squares(x, n, 8) : sum_squares(x, n, 16)) / (float)n;
+    /* L a constant in each branch: each width's loops unrolled and vectorised */
+    const float sum = L == 4   ? sum_squares(x, n, 4)
+                      : L == 8 ? sum_squares(x, n, 8)
+                               : sum_squares(x, n, 16);
+    const float mean = sum / (float)n;
     return 1.f / sqrtf(mean + eps);
 }
 
@@ -285,8 +289,8 @@ LEVELS(silu_and_mul_bf16, ((void)L, silu_and_mul_rows(a, 1, begin, end)))
 /* ------------------------------------------------------------------ Python entry points */
 
 static int check_common(int lanes, int threads, int64_t cols) {
-    if (lanes != 8 && lanes != 16) {
-        PyErr_Format(PyExc_ValueError, "fused ops: lanes must be 8 or 16, got %d", lanes);
+    if (lanes != 4 && lanes != 8 && lanes != 16) {
+        PyErr_Format(PyExc_ValueError, "fused ops: lanes must be 4, 8 or 16, got %d", lanes);
         return -1;
     }
     if (threads < 1) {

@@ -64,7 +64,7 @@ def test_the_kernels_are_built_and_torch_sum_order_is_known() -> None:
     """A silently missing build or an unknown sum order would move every norm back to
     torch without a word: both must fail here."""
     assert fused_ops_problem() is None, fused_ops_problem()
-    assert torch_sum_lanes() in (8, 16)
+    assert torch_sum_lanes() in (4, 8, 16)
 
 
 # ----------------------------------------------------------------------- add + RMSNorm

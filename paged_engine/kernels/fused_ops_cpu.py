@@ -55,8 +55,9 @@ def fused_ops_problem() -> str | None:
 
 @cache
 def torch_sum_lanes() -> int | None:
-    """How many float32 lanes torch's CPU sum keeps apart (8 for AVX2-width vectors, 16 for
-    AVX-512), or None when its order is not the lane cascade the kernels reproduce.
+    """How many float32 lanes torch's CPU sum keeps apart (4 for aarch64's NEON vectors, 8
+    for AVX2's, 16 for AVX-512's), or None when its order is not the lane cascade the
+    kernels reproduce.
 
     The probe: ``2**24`` in element 0, ``-2**24`` in the last, ``1`` in element ``j``. The
     lanes are summed apart and then left to right from lane 0, so the 1 survives exactly
@@ -69,7 +70,7 @@ def torch_sum_lanes() -> int | None:
         x[0], x[j], x[n - 1] = big, 1.0, -big
         if float(x.sum()) == 1.0:
             survivors.append(j)
-    for lanes in (8, 16):
+    for lanes in (4, 8, 16):
         if survivors == [j for j in range(1, n - 1) if j % lanes == lanes - 1]:
             return lanes
     return None
