@@ -2,8 +2,8 @@
 # The compiled kernels' tests and the tiny model's token-for-token test against transformers,
 # on aarch64 under qemu-user: docs/verification.md, "Other compilers, and aarch64".
 #
-# Not CI: it needs root, apt, Debian's mirror and PyPI, and about 25 minutes (the emulator
-# runs one core at a tenth of its speed or less). On a Debian or Ubuntu x86-64 machine:
+# Not CI: it needs root, apt, Debian's mirror and PyPI, about 6 GB of disk and 25 minutes
+# (the emulator runs one core at a tenth of its speed or less). On Debian or Ubuntu, x86-64:
 #     scripts/aarch64-qemu-check.sh [ROOT]     (ROOT: the arm64 root, default /opt/arm64)
 # A second run reuses ROOT's system and virtualenv and copies the checkout afresh.
 set -euo pipefail
@@ -58,7 +58,8 @@ in_root() { chroot "$ROOT" /bin/sh -c ". /work/venv/bin/activate && cd /work/pe 
 if [ ! -x "$ROOT/work/venv/bin/python" ]; then
     mkdir -p "$ROOT/work"
     chroot "$ROOT" python3 -m venv /work/venv
-    # torch's aarch64 wheel on PyPI is its CPU build; the rest: what these tests import
+    # PyPI's aarch64 torch is its CUDA build (+cu130: 5 GB with its NVIDIA libraries), run
+    # on the CPU here; the rest is what these tests import.
     chroot "$ROOT" /work/venv/bin/pip install -q torch==2.13.0 'numpy>=1.24' xxhash \
         transformers safetensors tokenizers tqdm pytest hypothesis pytest-timeout
 fi
