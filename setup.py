@@ -31,6 +31,7 @@ from setuptools.command.build_ext import build_ext
 OPENMP = "-fopenmp"
 MVEC = "mvec"
 HONOUR_PRAGMAS = "-ffp-contract=fast-honor-pragmas"
+EMPTY_PROGRAM = "int main(void) { return 0; }\n"
 
 
 class BuildExt(build_ext):
@@ -49,10 +50,10 @@ class BuildExt(build_ext):
             "#include <omp.h>\nint main(void) { return !omp_get_max_threads(); }\n",
             flags=[OPENMP],
         )
-        mvec = self._links("int main(void) { return 0; }\n", libraries=[MVEC])
-        honour = self._links("int main(void) { return 0; }\n", flags=[HONOUR_PRAGMAS])
+        mvec = self._links(EMPTY_PROGRAM, libraries=[MVEC])
+        honour = self._links(EMPTY_PROGRAM, flags=[HONOUR_PRAGMAS])
         for ext in self.extensions:
-            if honour:
+            if honour and HONOUR_PRAGMAS not in ext.extra_compile_args:
                 ext.extra_compile_args = [*ext.extra_compile_args, HONOUR_PRAGMAS]
             if not openmp:
                 ext.extra_compile_args = [a for a in ext.extra_compile_args if a != OPENMP]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import runpy
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,10 +154,10 @@ test_compile_kernels.py): the interpreter computes them right."""
 # --------------------------------------------------------------------------------------------
 
 
-@functools.cache
 def setup_arguments() -> dict[str, Any]:
     """What setup.py passes to ``setup()`` (its ``Extension``, its build command), read by
-    running setup.py with that call intercepted (nothing is built or installed)."""
+    running setup.py with that call intercepted (nothing is built or installed). Fresh on
+    every call: a build command changes the ``Extension`` it is given."""
     seen: dict[str, Any] = {}
     with mock.patch("setuptools.setup", lambda **kw: seen.update(kw)):
         runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
@@ -195,6 +195,31 @@ def compile_extension(name: str, ext: Any, work: Path) -> ModuleType:
     return import_copy(f"_mutant_{name}.{ext.name.rpartition('.')[2]}", library)
 
 
+def extension_in(
+    work: Path, keep: Callable[[str], bool] = lambda source: True, extra_args: tuple[str, ...] = ()
+) -> Any:
+    """setup.py's ``Extension`` with its csrc/ paths moved under ``work`` (a copy made by
+    ``patched_copy``), the sources ``keep`` takes, and ``extra_args`` after its flags."""
+    from setuptools import Extension
+
+    real = setup_extension()
+
+    def moved(path: str) -> str:
+        return str(work / path) if path.startswith("csrc") else path
+
+    return Extension(
+        real.name,
+        sources=[moved(s) for s in real.sources if keep(s)],
+        depends=[moved(d) for d in real.depends],
+        include_dirs=[moved(d) for d in real.include_dirs],
+        extra_compile_args=[*real.extra_compile_args, *extra_args],
+        extra_link_args=list(real.extra_link_args),
+        libraries=list(real.libraries),
+        define_macros=list(real.define_macros),
+        # optional no more: a build that fails must fail its test
+    )
+
+
 OTHER_MODULES = ("fused_ops.c", "sample_ops.c")
 """csrc/'s sources of the library's modules other than the decode kernel's."""
 
@@ -206,28 +231,11 @@ def build_c_module(
     """Copy ``csrc/`` into a temporary directory, apply ``patch`` there (none: the sources
     as they are), compile the decode kernel's sources with setup.py's flags (then
     ``extra_args``), and load the result as a module of its own."""
-    from setuptools import Extension
-
     work = patched_copy(name, read_patch(name, patch) if patch is not None else None, ("csrc",))
-    real = setup_extension()
-
-    def moved(path: str) -> str:
-        return str(work / path) if path.startswith("csrc") else path
-
-    ext = Extension(
-        real.name,
-        # The library's other modules (the fused small ops, most of a build's time, and
-        # the sampler's pass: tests/fused_mutants.py builds their mutants) are never
-        # loaded from this one.
-        sources=[moved(s) for s in real.sources if Path(s).name not in OTHER_MODULES],
-        depends=[moved(d) for d in real.depends],
-        include_dirs=[moved(d) for d in real.include_dirs],
-        extra_compile_args=[*real.extra_compile_args, *extra_args],
-        extra_link_args=list(real.extra_link_args),
-        libraries=list(real.libraries),
-        define_macros=list(real.define_macros),
-        # optional no more: a mutant that fails to build must fail its test
-    )
+    # The library's other modules (the fused small ops, most of a build's time, and the
+    # sampler's pass: tests/fused_mutants.py builds their mutants) are never loaded from
+    # this one.
+    ext = extension_in(work, lambda source: Path(source).name not in OTHER_MODULES, extra_args)
     return compile_extension(name, ext, work)
 
 

@@ -45,7 +45,7 @@ from tests.kernel_cases import (
     ref_decode,
     run_decode,
 )
-from tests.kernel_mutants import build_extension, decode_module_bound, setup_extension
+from tests.kernel_mutants import build_extension, decode_module_bound, extension_in
 from tests.patch_mutants import ROOT, import_copy, patched_copy, read_patch
 from tests.test_cpu_kernel_bf16 import assert_one_rounding, bf16, launch
 from tests.test_fused_ops import CHECKS
@@ -76,20 +76,9 @@ def zig_cc(into: Path, target: str | None) -> str:
 def clang_library(name: str, target: str | None = None, patch: str | None = None) -> Path:
     """csrc/ (``patch`` from tests/clang_mutants applied) built by zig's clang for
     ``target`` through setup.py's build command and flags; the library's path."""
-    from setuptools import Extension
-
     patch_file = read_patch(name, PATCH_DIR / f"{patch}.patch") if patch else None
     work = patched_copy(name, patch_file, ("csrc",))
-    real = setup_extension()
-    ext = Extension(
-        real.name,
-        sources=[str(work / s) for s in real.sources],
-        depends=[str(work / d) for d in real.depends],
-        include_dirs=[str(work / d) for d in real.include_dirs],
-        extra_compile_args=list(real.extra_compile_args),
-        extra_link_args=list(real.extra_link_args),
-        libraries=list(real.libraries),
-    )
+    ext = extension_in(work)
     cc = zig_cc(work, target)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CC", cc)

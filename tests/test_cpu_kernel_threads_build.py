@@ -7,7 +7,6 @@ libmvec only where the toolchain refuses them.
 
 from __future__ import annotations
 
-import runpy
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -24,9 +23,9 @@ from tests.kernel_mutants import (
     CpuKernelMutant,
     build_c_module,
     decode_module_bound,
+    setup_arguments,
 )
 
-ROOT = checks_module.ROOT
 HONOUR = "-ffp-contract=fast-honor-pragmas"
 """clang's flag that setup.py adds where the compiler takes it (GCC refuses it)."""
 
@@ -105,9 +104,7 @@ def test_setup_drops_only_what_the_toolchain_refuses(openmp: bool, mvec: bool, c
     (aarch64 before glibc 2.38 has none): the extension still builds, nothing else is
     dropped. clang's pragma-honouring contraction flag is added where the compiler takes it
     (csrc/levels.h), and only there."""
-    seen: dict[str, Any] = {}
-    with mock.patch("setuptools.setup", lambda **kw: seen.update(kw)):
-        runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    seen = setup_arguments()
     (ext,) = seen["ext_modules"]
     assert "-fopenmp" in ext.extra_compile_args and "-fopenmp" in ext.extra_link_args
     assert "mvec" in ext.libraries

@@ -346,6 +346,27 @@ def test_a_level_that_does_not_run_here_is_refused() -> None:
     assert bool((out == 7.0).all())
 
 
+def test_a_sum_width_the_kernel_lacks_is_refused_before_writing() -> None:
+    # The launcher passes torch_sum_lanes(): 4, 8 or 16. Any other width is refused by the
+    # C entry point itself, by name, and nothing is written.
+    module = compiled_module()
+    x, w = torch.randn(2, 8), torch.rand(8) + 0.5
+    out = torch.full((2, 8), 7.0)
+    for lanes in (0, 2, 12, 32):
+        with pytest.raises(ValueError, match=f"lanes must be 4, 8 or 16, got {lanes}"):
+            module.add_rms_norm(
+                x.data_ptr(), 8, 0, 0, out.data_ptr(), 8, 0, 8, w.data_ptr(), 2, 8, EPS, 0,
+                lanes, 1, ISA_CODES["baseline"],
+            )  # fmt: skip
+    assert bool((out == 7.0).all())
+    for lanes in (4, 8, 16):  # each width the kernel has runs (only torch's is its order)
+        module.add_rms_norm(
+            x.data_ptr(), 8, 0, 0, out.data_ptr(), 8, 0, 8, w.data_ptr(), 2, 8, EPS, 0,
+            lanes, 1, ISA_CODES["baseline"],
+        )  # fmt: skip
+        torch.testing.assert_close(out, rms_norm_ref(x, w, EPS))
+
+
 # ------------------------------------------------------------------------------- mutants
 
 CHECKS = {
