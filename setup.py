@@ -37,7 +37,7 @@ EMPTY_PROGRAM = "int main(void) { return 0; }\n"
 class BuildExt(build_ext):
     """setup.py's build_ext, but without what this toolchain cannot link: OpenMP where the
     compiler or linker refuses ``-fopenmp`` (clang without libomp, MSVC: the kernel then
-    runs single-threaded, csrc/paged_decode_cpu.c's ``run_items`` is guarded by
+    runs single-threaded, csrc/run_items.c's ``run_items`` is guarded by
     ``_OPENMP``), and glibc's vector math library where there is none (aarch64 before
     glibc 2.38, whose headers then declare no vector expf either: the scalar one serves).
     And one flag more where the compiler takes it (clang's; GCC refuses it): clang's
@@ -145,6 +145,7 @@ setup(
             sources=[
                 "csrc/paged_decode_cpu.c",
                 "csrc/paged_decode_bf16.c",
+                "csrc/run_items.c",
                 "csrc/store_kv_cpu.c",
                 # More modules in the same library (PyInit__fused_ops, PyInit__sample_ops:
                 # PEP 489).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,3 +22,14 @@ def pytest_benchmark_update_json(config: Any, benchmarks: Any, output_json: dict
     info["slowed_allocator"] = getattr(config, "paged_engine_slow_hash", None)
     # The allocator ratios are in this clock's units (bench-compare: time.process_time).
     info["benchmark_timer"] = str(config.getoption("benchmark_timer", None))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test (the kernels' single-thread benches), then back."""
+    import torch  # here: the other suites' runs need not load it for this hook file
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

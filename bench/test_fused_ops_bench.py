@@ -23,7 +23,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -44,12 +44,7 @@ SAMPLES, CALLS = 30, 10
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # bench/conftest.py
 
 
 def measure(candidates: dict[str, Callable[[], object]]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,12 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXACT = ("add_rms_norm", "qk_norm_rope")
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # bench/conftest.py
 
 
 def measure(candidates: dict[str, Callable[[], torch.Tensor]], exact: bool) -> dict[str, Any]:

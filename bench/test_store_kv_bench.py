@@ -23,13 +23,16 @@ from typing import Any
 import pytest
 import torch
 
-from bench.test_fused_ops_bench import measure, one_thread  # noqa: F401  (autouse: 1 thread)
+from bench.test_fused_ops_bench import measure
 from paged_engine.kernels.paged_decode_cpu import cpu_kernels_problem
 from paged_engine.layers.attention.base import make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from paged_engine.layers.attention.torch_backend import TorchAttentionBackend
 
-pytestmark = pytest.mark.skipif(cpu_kernels_problem() is not None, reason="no compiled kernels")
+pytestmark = [
+    pytest.mark.skipif(cpu_kernels_problem() is not None, reason="no compiled kernels"),
+    pytest.mark.usefixtures("one_thread"),  # bench/conftest.py
+]
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, POOL_BLOCKS = 8, 4, 64, 32, 2048
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

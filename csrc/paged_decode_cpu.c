@@ -28,26 +28,7 @@
  * The arguments (lengths, tables) are validated, then read again with the GIL released:
  * callers must not change them from another thread during the call.
  *
- * Threads (run_items, below). A call's work is batch x kv_heads / span items, one (sequence,
- * run of span kv heads) each (run_span, paged_decode_cpu.h), computed whole by one thread
- * in the one order the template fixes, so the output is the same bits at any thread count. With num_threads > 1 (the launcher passes
- * torch.get_num_threads(), read once per step) the items are claimed one at a time from an
- * atomic counter, longest context first, by up to min(num_threads, items) threads: a thread
- * that loses its core to another process holds back at most the one item it is in, where a
- * static split would leave its whole share waiting. num_threads 1 runs no parallel region.
- * Block ids and lengths are checked above, single-threaded, before any thread reads.
- *
- * Why OpenMP rather than a pthread pool of our own: torch's CPU ops already run on
- * OpenMP, so the kernel's threads are torch's (no second set of threads competing for the
- * cores), and they wait the way the process chose (paged_engine sets
- * OMP_WAIT_POLICY=PASSIVE before torch loads libgomp: see EngineConfig.num_threads). Only
- * GOMP_parallel and omp_get_thread_num/num_threads are used (no worksharing constructs),
- * which every libgomp since GCC 4.9 has. The extension needs libgomp.so.1 and torch's
- * wheel bundles its own: the dynamic loader takes whichever libgomp.so.1 is loaded first
- * for both, so a process maps one OpenMP runtime (torch's, when torch is imported first,
- * as the launcher does; tests/test_cpu_kernel_threads.py reads /proc/self/maps). Built
- * without -fopenmp (setup.py drops it where the toolchain lacks it), run_items is the
- * single-threaded loop whatever num_threads says.
+ * Threads and the order of the work items: csrc/run_items.c.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -55,10 +36,6 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "isa.h"
 #include "paged_decode_cpu.h"
@@ -115,53 +92,6 @@ static int first_bad_sequence(const Args *a, int *bad_block) {
         }
     }
     return -1;
-}
-
-/* A sequence index and its context length, for the longest-first order. */
-typedef struct {
-    int len, index;
-} Ranked;
-
-static int longer_first(const void *x, const void *y) {
-    const Ranked *p = x, *q = y;
-    if (p->len != q->len) return p->len > q->len ? -1 : 1;
-    return p->index < q->index ? -1 : p->index > q->index;
-}
-
-/* The items of a call, on up to a->num_threads threads (see the header comment). */
-int run_items(const Args *a, ItemFn item, int span) {
-    const int per = a->kv_heads / span; /* items per sequence */
-    const int64_t items = (int64_t)a->batch * per;
-    const int threads = items < a->num_threads ? (int)items : a->num_threads;
-#ifdef _OPENMP
-    if (threads > 1) {
-        /* Longest contexts first, so the last items claimed are the shortest. Without the
-         * memory, index order: the same results, only the balance differs. */
-        Ranked *order = malloc(sizeof(Ranked) * (size_t)a->batch);
-        if (order != NULL) {
-            for (int b = 0; b < a->batch; b++) order[b] = (Ranked){a->lens[b], b};
-            qsort(order, (size_t)a->batch, sizeof(Ranked), longer_first);
-        }
-        int64_t next = 0;
-        int team = 1;
-#pragma omp parallel num_threads(threads)
-        {
-            if (omp_get_thread_num() == 0) team = omp_get_num_threads();
-            for (;;) {
-                const int64_t i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
-                if (i >= items) break;
-                const int64_t rank = i / per;
-                item(a, order != NULL ? order[rank].index : (int)rank, (int)(i % per) * span,
-                     span);
-            }
-        }
-        free(order);
-        return team;
-    }
-#endif
-    for (int b = 0; b < a->batch; b++)
-        for (int kh0 = 0; kh0 < a->kv_heads; kh0 += span) item(a, b, kh0, span);
-    return 1;
 }
 
 enum { BF16_AUTO = 0, BF16_PORTABLE = 1, BF16_AVX512 = 2 };

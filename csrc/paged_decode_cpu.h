@@ -2,7 +2,7 @@
  * What the CPU paged-decode kernels share: the argument record and the entry points of each
  * compiled variant. paged_decode_cpu.c parses and validates the arguments (once, for every
  * variant) and dispatches; each variant is one instantiation of paged_decode_head.h, whose
- * work items run_items (paged_decode_cpu.c) schedules over threads.
+ * work items run_items (run_items.c) orders and schedules over threads.
  */
 #ifndef PAGED_DECODE_CPU_H
 #define PAGED_DECODE_CPU_H
@@ -39,7 +39,7 @@ typedef void (*ItemFn)(const Args *a, int b, int kh0, int nkv);
 
 /* Every item of a call, `span` kv heads each (kv_heads a multiple of it), each computed whole
  * by one thread (so the result is the same bits whatever the thread count); in parallel
- * when a->num_threads > 1 and OpenMP is built in (paged_decode_cpu.c). Returns the number
+ * when a->num_threads > 1 and OpenMP is built in (run_items.c). Returns the number
  * of threads that ran. */
 int run_items(const Args *a, ItemFn item, int span);
 

@@ -3,7 +3,7 @@
  * paged_decode_head.h (which includes this file at its end, with its macros still defined:
  * DH_NAME, DH_ATTR and the element macros; no include guard, as there). The template's
  * arithmetic is there; here, which specialised copy of it each geometry runs, and how a
- * call's items reach run_items (paged_decode_cpu.c).
+ * call's items reach run_items (run_items.c).
  */
 
 /* The work items: one copy per specialised head dim (D a constant, so the dots unroll and

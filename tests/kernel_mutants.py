@@ -335,8 +335,12 @@ THREAD_MUTANTS: tuple[CpuKernelMutant, ...] = (
         "threads_more_than_items", "a call with fewer items than threads still starts every thread"
     ),
     CpuKernelMutant("threads_ignored", "num_threads is ignored: every call runs on one thread"),
+    CpuKernelMutant(
+        "order_forgets_index",
+        "item_order leaves out each sequence's index (C zero-fills it): every item runs sequence 0",
+    ),
 )
-"""Bugs in the C driver's threads (csrc/paged_decode_cpu.c's ``run_items``), caught by
+"""Bugs in the C driver's threads (csrc/run_items.c's ``run_items``), caught by
 tests/test_cpu_kernel_threads.py's checks (tests/test_cpu_kernel_threads_build.py)."""
 
 

@@ -1,14 +1,16 @@
-"""The CPU decode kernel on several threads (csrc/paged_decode_cpu.c's ``run_items``).
+"""The CPU decode kernel on several threads (csrc/run_items.c's ``run_items``).
 
 A call's work items, one per (sequence, KV head), are claimed one at a time by up to
-``num_threads`` threads, longest context first; each item is computed whole by one thread,
-so the output must be the same bits at every thread count. Here: that identity (float32 and
-both bfloat16 variants, GQA, ragged batches, a zero-length context), against the reference
-too; the thread count the kernel reports (never more than the items) and where it comes
-from (torch's, once per step); the refusals (a bad ``num_threads``, a bad block id with many
-threads: both before anything is written); that a process importing torch and the kernel
-maps one libgomp (torch's when torch comes first). The scheduling mutants these checks
-catch, and the build without OpenMP: tests/test_cpu_kernel_threads_build.py.
+``num_threads`` threads, in the kernel's own order (sequences sharing a first block
+together, longest first); each item is computed whole by one thread, so the output must be
+the same bits at every thread count and in any order of the batch. Here: that identity
+(float32 and both bfloat16 variants, GQA, ragged batches, a zero-length context, shared
+prefixes), against the reference too; the thread count the kernel reports (never more
+than the items) and where it comes from (torch's, once per step); the refusals (a bad
+``num_threads``, a bad block id with many threads: both before anything is written); that
+a process importing torch and the kernel maps one libgomp (torch's when torch comes
+first). The scheduling mutants these checks catch, and the build without OpenMP:
+tests/test_cpu_kernel_threads_build.py.
 """
 
 from __future__ import annotations
@@ -111,6 +113,64 @@ def test_every_level_gives_the_same_bits_at_every_thread_count(
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert_matches_reference(outs[0], t, None if dtype == torch.float32 else variant)
+
+
+def shared_prefix_batch(variant: str | None) -> Tensors:
+    """Nine sequences over a shuffled pool of 8-token blocks: three prefixes of 2, 3 and 1
+    blocks, each shared by two or three sequences (two of them share a block more), a
+    sequence sharing nothing, one with no context; batch order interleaves the groups, as a
+    scheduler hands them over. The kernel runs each group's members one after another
+    (csrc/run_items.c's item_order)."""
+    bs, gen = 8, torch.Generator().manual_seed(3)
+    pool = torch.randperm(40, generator=gen).tolist()
+    prefixes = [pool[0:2], pool[2:5], pool[5:6]]
+    tails = [[pool[6]], [pool[7], pool[8]], [], [pool[9]], [pool[10]], [pool[11]]]
+    rows = [
+        prefixes[0] + tails[0],
+        prefixes[1] + tails[1],
+        [pool[12], pool[13]],  # shares nothing
+        prefixes[2] + tails[2],
+        prefixes[0] + [pool[6], pool[14]],  # the first row's prefix and its next block too
+        [],  # no context
+        prefixes[1] + tails[3],
+        prefixes[2] + tails[4],
+        prefixes[0] + tails[5],
+    ]
+    lens = [len(r) * bs - (3 if r else 0) for r in rows]
+    width = max(len(r) for r in rows)
+    dtype = torch.float32 if variant is None else torch.bfloat16
+    heads, kv_heads, dim = 8, 4, 64  # the 29M model's: runs of kv heads (decode_run)
+    k, v = torch.randn(2, 40, bs, kv_heads, dim, generator=gen).to(dtype)
+    return Tensors(
+        query=torch.randn(len(rows), heads, dim, generator=gen).to(dtype),
+        k_cache=k,
+        v_cache=v,
+        block_tables=torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32),
+        scale=dim**-0.5,
+    )
+
+
+@pytest.mark.parametrize("variant", KINDS)
+def test_a_batch_in_any_order_gives_each_sequence_the_same_bits(variant: str | None) -> None:
+    """The kernel reorders a call's sequences (groups sharing a first block together):
+    whatever order the batch comes in, every sequence gets its own output, the same bits,
+    at every thread count, and the reference's values."""
+    t = shared_prefix_batch(variant)
+    want, _ = run(t, variant, 1)
+    assert_matches_reference(want, t, variant)
+    gen = torch.Generator().manual_seed(4)
+    for perm in (torch.arange(8, -1, -1), torch.randperm(9, generator=gen)):
+        shuffled = replace(
+            t,
+            query=t.query[perm].contiguous(),
+            block_tables=t.block_tables[perm].contiguous(),
+            seq_lens=t.seq_lens[perm].contiguous(),
+        )
+        for threads in (1, 3):
+            got, _ = run(shuffled, variant, threads)
+            assert torch.equal(got, want[perm]), f"order {perm.tolist()}, {threads} threads"
 
 
 def test_fewer_items_than_threads_use_fewer_threads() -> None:

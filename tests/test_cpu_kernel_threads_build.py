@@ -43,6 +43,10 @@ def test_each_scheduling_mutant_is_caught(mutant: CpuKernelMutant) -> None:
         for v in (None, *bf16_variants())
     ]
     checks.append((checks_module.test_fewer_items_than_threads_use_fewer_threads, {}))
+    checks += [
+        (checks_module.test_a_batch_in_any_order_gives_each_sequence_the_same_bits, {"variant": v})
+        for v in (None, *bf16_variants())
+    ]
     real = paged_decode_cpu._COMPILED
     with decode_module_bound(module):
         for check, kwargs in checks:

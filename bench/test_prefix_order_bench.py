@@ -1,0 +1,108 @@
+"""The CPU decode kernel on a batch that shares cached prefixes, in the order a scheduler
+hands it over, one thread: what csrc/run_items.c's ``item_order`` is for.
+
+The batch is bench-vllm's decode shape (block size 32, 32 sequences): 4 prefixes of 10
+blocks (320 tokens) and 4 blocks of each sequence's own, shuffled over the pool; the 29M
+model's heads (8 query / 4 KV heads of 64) and SmolLM2-135M's (9 / 3 of 64), float32 and
+bfloat16. Three layouts of the same work, timed in one process, alternating call by call:
+
+* ``interleaved``: sequence b reads prefix b % 4, as requests arrive;
+* ``sorted``: the same sequences sorted by prefix (the order the kernel runs them in);
+* ``one_prefix``: every sequence reads the same 14 blocks, which stay in the core's
+  cache: a ceiling on what any order can gain.
+
+Reported: per layout ``us_min``/``us_median`` over ``SAMPLES`` samples (each the mean of
+``CALLS`` calls), and the ratios ``interleaved / sorted`` (1.0: the batch's order no longer
+matters) and ``interleaved / one_prefix``. Before the kernel ordered its items, index
+order was the run order, and interleaved float32 batches paid for it (docs/performance.md).
+The outputs of ``interleaved`` and ``sorted`` are checked equal, row for row.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from paged_engine.kernels import paged_decode_cpu
+
+BLOCK, BATCH, PREFIXES, PREFIX_BLOCKS, OWN_BLOCKS = 32, 32, 4, 10, 4
+SAMPLES, CALLS = 20, 5
+SHAPES = {"29m": (8, 4, 64), "smollm2": (9, 3, 64)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # bench/conftest.py
+
+
+def layouts(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tensor]]:
+    heads, kv_heads, dim = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    pool = PREFIXES * PREFIX_BLOCKS + BATCH * OWN_BLOCKS
+    k, v = torch.randn(2, pool, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    ids = torch.randperm(pool, generator=gen)
+    prefix = ids[: PREFIXES * PREFIX_BLOCKS].view(PREFIXES, PREFIX_BLOCKS)
+    own = ids[PREFIXES * PREFIX_BLOCKS :].view(BATCH, OWN_BLOCKS)
+    q = torch.randn(BATCH, heads, dim, generator=gen).to(dtype)
+    lens = torch.full((BATCH,), BLOCK * (PREFIX_BLOCKS + OWN_BLOCKS), dtype=torch.int32)
+    interleaved = torch.cat([prefix[torch.arange(BATCH) % PREFIXES], own], 1)
+    by_prefix = torch.argsort(torch.arange(BATCH) % PREFIXES, stable=True)
+    tables = {
+        "interleaved": (q, interleaved),
+        "sorted": (q[by_prefix], interleaved[by_prefix]),
+        "one_prefix": (q, interleaved[:1].expand(BATCH, -1)),
+    }
+
+    def call(name: str) -> Callable[[], torch.Tensor]:
+        query, table = (t.contiguous() for t in tables[name])
+        table = table.to(torch.int32)
+        out = torch.empty_like(query)
+        launch = paged_decode_cpu.check_paged_decode_cpu(query, k, v, table, lens)
+        return lambda: paged_decode_cpu.run_paged_decode_cpu(
+            launch, query, k, v, table, lens, dim**-0.5, out
+        )
+
+    runs = {name: call(name) for name in tables}
+    first = runs["interleaved"]().clone()
+    assert torch.equal(runs["sorted"]()[torch.argsort(by_prefix)], first)
+    return runs
+
+
+def measure(runs: dict[str, Callable[[], torch.Tensor]]) -> dict[str, Any]:
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for sample in range(SAMPLES):
+        for name in names if sample % 2 else names[::-1]:
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                runs[name]()
+            times[name].append((time.perf_counter() - start) / CALLS)
+    mins = {k: min(v) for k, v in times.items()}
+    meds = {k: statistics.median(v) for k, v in times.items()}
+    ratio = {
+        f"interleaved_over_{other}_{stat}": round(figs["interleaved"] / figs[other], 3)
+        for other in ("sorted", "one_prefix")
+        for stat, figs in (("min", mins), ("median", meds))
+    }
+    return {
+        "us_min": {k: round(v * 1e6, 1) for k, v in mins.items()},
+        "us_median": {k: round(v * 1e6, 1) for k, v in meds.items()},
+        **ratio,
+    }
+
+
+@pytest.mark.benchmark(group="prefix-order")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_prefix_order(benchmark: Any, shape: str, dtype: str) -> None:
+    if paged_decode_cpu.cpu_kernels_problem() is not None:
+        pytest.skip(f"no compiled kernel: {paged_decode_cpu.cpu_kernels_problem()}")
+    runs = layouts(shape, DTYPES[dtype])
+    result = benchmark.pedantic(lambda: measure(runs), rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+    print(f"\n{shape} {dtype}: {json.dumps(result)}")
