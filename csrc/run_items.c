@@ -13,9 +13,12 @@
  * sequences of different prefixes alternate: the blocks of 4 prefixes of 320 tokens, 8
  * query / 4 KV heads of 64 in float32 (the 29M model), are 2.6 MB a layer, more than a
  * core's 2 MB L2, so each sequence found its prefix evicted by the others'
- * (docs/performance.md has the measurements). Between groups, the longest context first,
- * so that the last items claimed are short; a sequence that shares no first block is a
- * group of its own, so a batch without shared prefixes runs longest first, as before.
+ * (docs/performance.md has the measurements). The groups run ordered by their longest
+ * context, longest first, so that the last items claimed are from short groups (within a
+ * group, the order of the block tables, not of the lengths); a sequence that shares no
+ * first block is a group of its own, so a batch without shared prefixes runs longest
+ * first, as the threaded path always did (one thread used to run in batch order).
+ * tests/test_item_order.py reads the order back from a harness built on this file.
  *
  * Threads. With num_threads > 1 (the launcher passes torch.get_num_threads(), read once per
  * step) the items are claimed one at a time, in that order, from an atomic counter by up to
@@ -71,7 +74,8 @@ static int by_group(const void *x, const void *y) {
 }
 
 /* The call's sequences in the order above, or NULL without the memory (then index order:
- * the same results, only the caches serve less). The caller frees it. */
+ * the same results, only the caches and the threads' balance serve less). The caller
+ * frees it. */
 static Ranked *item_order(const Args *a) {
     if (a->batch <= 0) return NULL;
     Ranked *r = malloc(sizeof(Ranked) * (size_t)a->batch);

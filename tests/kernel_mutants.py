@@ -340,7 +340,7 @@ THREAD_MUTANTS: tuple[CpuKernelMutant, ...] = (
         "item_order leaves out each sequence's index (C zero-fills it): every item runs sequence 0",
     ),
 )
-"""Bugs in the C driver's threads (csrc/run_items.c's ``run_items``), caught by
+"""Bugs in the C driver's threads and order (csrc/run_items.c's ``run_items``), caught by
 tests/test_cpu_kernel_threads.py's checks (tests/test_cpu_kernel_threads_build.py)."""
 
 

@@ -17,8 +17,10 @@ and what the platform layer allows.
 Threads: a call's items (a sequence and its KV heads where head_dim is 64 or 128 and there
 are 2 or 4 of them, else a sequence and one KV head) run on up to ``DecodeLaunch.num_threads``
 threads (OpenMP, torch's own runtime; ``torch.get_num_threads()`` when the launch is
-checked, so once per step in the "cpu" backend), claimed one at a time, longest context
-first, so a thread that loses its core holds back one item only. Each item is computed by
+checked, so once per step in the "cpu" backend), claimed one at a time, so a thread that
+loses its core holds back one item only; in ``csrc/run_items.c``'s order (sequences that
+share a first block together, so a cached prefix's blocks stay in the core's cache; the
+groups longest first). Each item is computed by
 one thread in a fixed order: the output is the same bits at any count. 1 (the default on
 2-core machines, see ``EngineConfig.num_threads``) runs no parallel region;
 ``cpu_kernels_threaded()`` says whether the build has OpenMP at all.
