@@ -55,11 +55,15 @@ def materialise(case: Case, variant: str | None) -> Tensors:
     return make_tensors(replace(case, dtype=dtype), CPU)
 
 
-def run(t: Tensors, variant: str | None, threads: int) -> tuple[torch.Tensor, int]:
+def run(
+    t: Tensors, variant: str | None, threads: int, isa: str | None = None
+) -> tuple[torch.Tensor, int]:
     """The kernel's output (``out`` starts as NaN: an item left uncomputed shows) and the
-    thread count it reports."""
+    thread count it reports; ``isa``: the instruction-set level (None: the launcher's)."""
     args = (t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens)
-    launch = check_paged_decode_cpu(*args, bf16_variant=variant or "auto", num_threads=threads)
+    launch = check_paged_decode_cpu(
+        *args, bf16_variant=variant or "auto", num_threads=threads, isa=isa or "auto"
+    )
     out = torch.full_like(t.query, float("nan"), memory_format=torch.contiguous_format)
     return out, kernel_threads(launch, *args, t.scale, out)
 
@@ -157,8 +161,20 @@ def test_a_batch_in_any_order_gives_each_sequence_the_same_bits(variant: str | N
     """The kernel reorders a call's sequences (groups sharing a first block together):
     whatever order the batch comes in, every sequence gets its own output, the same bits,
     at every thread count, and the reference's values."""
+    check_any_order(variant, None)
+
+
+@pytest.mark.parametrize("isa", paged_decode_cpu.isa_levels())
+def test_any_order_at_every_instruction_set_level(isa: str) -> None:
+    """The same on each level's copies, the baseline's (no AVX2, no AVX-512) included:
+    what a CPU without this one's instructions runs."""
+    check_any_order(None, isa)
+    check_any_order("portable", isa)
+
+
+def check_any_order(variant: str | None, isa: str | None) -> None:
     t = shared_prefix_batch(variant)
-    want, _ = run(t, variant, 1)
+    want, _ = run(t, variant, 1, isa)
     assert_matches_reference(want, t, variant)
     gen = torch.Generator().manual_seed(4)
     for perm in (torch.arange(8, -1, -1), torch.randperm(9, generator=gen)):
@@ -169,7 +185,7 @@ def test_a_batch_in_any_order_gives_each_sequence_the_same_bits(variant: str | N
             seq_lens=t.seq_lens[perm].contiguous(),
         )
         for threads in (1, 3):
-            got, _ = run(shuffled, variant, threads)
+            got, _ = run(shuffled, variant, threads, isa)
             assert torch.equal(got, want[perm]), f"order {perm.tolist()}, {threads} threads"
 
 
