@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attend_uncached", "causal_mask", "naive_attention", "sdpa"]
+__all__ = ["attend_uncached", "causal_bias", "naive_attention", "sdpa"]
 
 
 def naive_attention(
@@ -68,10 +68,15 @@ def sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
-def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
-    """``[query_len, context_len]`` bool: the new tokens are the context's last ones."""
-    rows = torch.arange(query_len, device=device)[:, None] + (context_len - query_len)
-    return torch.arange(context_len, device=device)[None, :] <= rows
+def causal_bias(
+    query_len: int, context_len: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``[query_len, context_len]`` additive mask in ``dtype``: 0 where a new token may look
+    (the new tokens are the context's last ones), -inf past it. SDPA gives the same bits as
+    with the boolean mask, and on the CPU it runs faster with this one, which it need not
+    convert (docs/performance.md)."""
+    mask = torch.full((query_len, context_len), float("-inf"), dtype=dtype, device=device)
+    return mask.triu_(context_len - query_len + 1)
 
 
 def attend_uncached(

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_engine.layers.attention.base import AttentionMetadata
-from paged_engine.layers.attention.dense import attend_uncached, causal_mask, sdpa
+from paged_engine.layers.attention.dense import attend_uncached, causal_bias, sdpa
 from paged_engine.layers.cascade import (
     CascadePlan,
     SharedPrefix,
@@ -163,7 +163,7 @@ class TorchAttentionBackend:
                 slots = (blocks[:, None] * block_size + offsets).flatten()[:ctx_len]
                 k = k_flat.index_select(0, slots).to(query.dtype)
                 v = v_flat.index_select(0, slots).to(query.dtype)
-                mask, causal = causal_mask(q_len, ctx_len, query.device), False
+                mask, causal = causal_bias(q_len, ctx_len, query.dtype, query.device), False
             o = sdpa(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask, causal)
             out[start:end] = o[0].transpose(0, 1)
             start = end
