@@ -1,7 +1,7 @@
 """``dense.causal_bias``: the additive causal mask of a prefill over a cached prefix.
 
-Its values are held to hand-worked ones, and SDPA with it to the same bits as with the
-boolean mask it replaced (the torch backend's state machine checks the results against
+Its values are held to hand-worked ones, and SDPA with it on the CPU to the same bits as
+with the boolean mask it replaced (the torch backend's state machine checks the results against
 naive attention: tests/test_attention_machine.py)."""
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ def test_new_rows_see_the_prefix_and_themselves_and_nothing_later() -> None:
     assert one.dtype == torch.bfloat16 and torch.equal(one, torch.zeros(1, 5, dtype=one.dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "context"), [(1, 1), (3, 3), (5, 17), (16, 70)])
+def test_more_new_tokens_than_the_context_is_refused() -> None:
+    with pytest.raises(ValueError, match="3 new tokens do not fit a context of 2"):
+        causal_bias(3, 2, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "context"), [(1, 1), (1, 9), (3, 3), (5, 17), (16, 70)])
 def test_sdpa_gives_the_boolean_masks_bits(rows: int, context: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 100 + context)
     q = torch.randn(1, 4, rows, 16, generator=gen).to(dtype)

@@ -72,9 +72,15 @@ def causal_bias(
     query_len: int, context_len: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """``[query_len, context_len]`` additive mask in ``dtype``: 0 where a new token may look
-    (the new tokens are the context's last ones), -inf past it. SDPA gives the same bits as
-    with the boolean mask, and on the CPU it runs faster with this one, which it need not
-    convert (docs/performance.md)."""
+    (the new tokens are the context's last ones), -inf past it. On the CPU, SDPA gives the
+    same bits as with the boolean mask (tests/test_dense_attention.py) and runs faster with
+    this one, which it need not convert (bench/test_prefill_mask_bench.py). On CUDA the
+    cuDNN kernel would have filled a boolean mask with -65504 rather than -inf: the same
+    softmax where every row sees a key, which each does here, but not checked bit for bit."""
+    if not 0 <= query_len <= context_len:
+        raise ValueError(
+            f"causal_bias: {query_len} new tokens do not fit a context of {context_len}"
+        )
     mask = torch.full((query_len, context_len), float("-inf"), dtype=dtype, device=device)
     return mask.triu_(context_len - query_len + 1)
 
