@@ -88,6 +88,14 @@ class TorchAttentionBackend:
             tuple[AttentionMetadata, tuple[int, torch.dtype, int], _DecodePlan | CascadePlan] | None
         ) = None
         self._store_memo: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._prefill_memo: (
+            tuple[
+                AttentionMetadata,
+                tuple[int, torch.dtype],
+                list[tuple[torch.Tensor, torch.Tensor] | None],
+            ]
+            | None
+        ) = None
 
     def store_kv(
         self,
@@ -144,30 +152,50 @@ class TorchAttentionBackend:
         if meta.max_query_len == 1:  # decode, or prefill chunks of one token each
             return self._attend_gathered(query, k_cache, v_cache, meta, scale)
         out = torch.empty_like(query)
-        block_size = k_cache.shape[1]
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        offsets = torch.arange(block_size, device=query.device)
+        gathers = self._prefill_plan(meta, k_cache.shape[1], query.dtype)
         start = 0
-        for i, (q_len, ctx_len) in enumerate(
-            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
-        ):
+        for q_len, gather in zip(meta.query_lens_cpu, gathers, strict=True):
             end = start + q_len
             q = query[start:end].transpose(0, 1)[None]  # [1, H, n, d]
-            if q_len == ctx_len:  # nothing cached: the context is this step's own rows
+            if gather is None:  # nothing cached: the context is this step's own rows
                 k, v = key[start:end], value[start:end]
                 mask, causal = None, True
             else:
-                n_blocks = -(-ctx_len // block_size)
-                blocks = meta.block_tables[i, :n_blocks].long()
-                slots = (blocks[:, None] * block_size + offsets).flatten()[:ctx_len]
+                slots, mask = gather
                 k = k_flat.index_select(0, slots).to(query.dtype)
                 v = v_flat.index_select(0, slots).to(query.dtype)
-                mask, causal = causal_bias(q_len, ctx_len, query.dtype, query.device), False
+                causal = False
             o = sdpa(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask, causal)
             out[start:end] = o[0].transpose(0, 1)
             start = end
         return out
+
+    def _prefill_plan(
+        self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per sequence of a step with new rows over a cached prefix, the cache slots of its
+        context and its causal mask (``causal_bias``); None for a sequence with nothing
+        cached. The same for every layer of the step, so made once per step."""
+        key = (block_size, dtype)
+        memo = self._prefill_memo
+        if memo is not None and memo[0] is meta and memo[1] == key:
+            return memo[2]
+        device = meta.block_tables.device
+        offsets = torch.arange(block_size, device=device)
+        plan: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for i, (q_len, ctx_len) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        ):
+            if q_len == ctx_len:
+                plan.append(None)
+                continue
+            blocks = meta.block_tables[i, : -(-ctx_len // block_size)].long()
+            slots = (blocks[:, None] * block_size + offsets).flatten()[:ctx_len]
+            plan.append((slots, causal_bias(q_len, ctx_len, dtype, device)))
+        self._prefill_memo = (meta, key, plan)
+        return plan
 
     def _decode_plan(
         self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, num_kv_heads: int
