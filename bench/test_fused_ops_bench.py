@@ -8,13 +8,21 @@ chunk of 2048 tokens, float32 and bfloat16. Per op, the candidates:
   q/k weights concatenated, ``rms_norm``, ``rotate``; ``chunk``, ``F.silu``, ``*``);
 * ``torch_inplace`` (activation only): ``F.silu(gate)`` then ``mul_(up)`` in place, one
   temporary fewer, the same bits as ``torch``;
-* ``fused``: the layer module as it now runs on the CPU (launcher checks included).
+* ``launcher``: the kernels as the modules called them before kernels/fused_ops_layers.py:
+  ``fused_ok``, then the launcher (``fused_ops_cpu``) with its full checks;
+* ``fused``: the layer module as it now runs on the CPU (``fused_ops_layers``' one pass of
+  checks, then the same kernel).
+
+The rotation runs in place on one buffer, call after call, with q/k norm weights of 1:
+weights other than 1 shrink every element but the largest a little more at each call, until
+they are denormals and the kernel slows down (a drift no model step sees).
 
 Candidates alternate call by call in one process (the machine is shared and noisy); each
 sample is the mean of ``CALLS`` calls. Reported: ``us_min``/``us_median`` per candidate and
 ``ratio_*`` = candidate / ``torch`` (below 1: faster). ``test_model_step`` times whole
 ``LLM`` steps (a 2048-token prefill of 32 prompts, then decode steps of 32) with the kernels
-and with them switched off in the modules (a bench-only patch of ``fused_ok``), alternating.
+and with them switched off in the modules (a bench-only patch of ``fused_ok`` and of the
+layer calls), alternating.
 """
 
 from __future__ import annotations
@@ -33,6 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from paged_engine import LLM, SamplingParams
+from paged_engine.kernels.fused_ops_cpu import (
+    add_rms_norm_cpu,
+    fused_ok,
+    qk_norm_rope_cpu_,
+    silu_and_mul_cpu,
+)
 from paged_engine.layers import activation, layernorm, rotary
 from paged_engine.layers.activation import SiluAndMul
 from paged_engine.layers.layernorm import RMSNorm, rms_norm
@@ -74,6 +88,9 @@ def op_candidates(op: str, rows: int, dtype: torch.dtype) -> dict[str, Callable[
         x, res = (torch.randn(2, rows, HIDDEN, generator=gen) * 3).to(dtype)
         return {
             "torch": lambda: (rms_norm(res + x, norm.weight, norm.eps), res + x),
+            "launcher": lambda: (
+                fused_ok(x, res, norm.weight) and add_rms_norm_cpu(x, res, norm.weight, norm.eps)
+            ),
             "fused": lambda: norm(x, res),
         }
     if op == "qk_norm_rope":
@@ -81,7 +98,7 @@ def op_candidates(op: str, rows: int, dtype: torch.dtype) -> dict[str, Callable[
         positions = torch.arange(rows) + 100
         width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         qkv = torch.randn(rows, width, generator=gen).to(dtype)
-        wq, wk = (torch.rand(2, HEAD_DIM, generator=gen) + 0.5).to(dtype)
+        wq, wk = torch.ones(2, HEAD_DIM, dtype=dtype)  # see the module: no drift
         heads = HEADS + KV_HEADS
 
         def old() -> torch.Tensor:
@@ -93,7 +110,12 @@ def op_candidates(op: str, rows: int, dtype: torch.dtype) -> dict[str, Callable[
             qk = qkv[:, : heads * HEAD_DIM].view(rows, heads, HEAD_DIM)
             return rope.norm_rotate(positions, qk, wq, wk, HEADS, 1e-6)
 
-        return {"torch": old, "fused": fused}
+        def launcher() -> torch.Tensor | bool:
+            qk = qkv[:, : heads * HEAD_DIM].view(rows, heads, HEAD_DIM)
+            cos, sin = rope.cos_signed_sin(positions, dtype)
+            return fused_ok(qk, wq, wk) and qk_norm_rope_cpu_(qk, wq, wk, HEADS, 1e-6, cos, sin)
+
+        return {"torch": old, "launcher": launcher, "fused": fused}
     act = SiluAndMul()
     gate_up = torch.randn(rows, 2 * INTERMEDIATE, generator=gen).to(dtype)
 
@@ -105,7 +127,12 @@ def op_candidates(op: str, rows: int, dtype: torch.dtype) -> dict[str, Callable[
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
-    return {"torch": old_act, "torch_inplace": inplace, "fused": lambda: act(gate_up)}
+    return {
+        "torch": old_act,
+        "torch_inplace": inplace,
+        "launcher": lambda: fused_ok(gate_up) and silu_and_mul_cpu(gate_up),
+        "fused": lambda: act(gate_up),
+    }
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -128,9 +155,16 @@ BATCH, PROMPT, STEPS, ROUNDS = 32, 64, 8, 4
 def torch_only() -> list[Any]:
     """Patches that switch the kernels off in the modules (bench-only: the product has no
     switch), started and stopped around each torch round."""
-    return [
-        mock.patch.object(m, "fused_ok", lambda *t: False) for m in (layernorm, activation, rotary)
+    off = [
+        mock.patch.object(m, "fused_ok", lambda *t, **k: False)
+        for m in (layernorm, activation, rotary)
     ]
+    layer_calls = [
+        (layernorm, "add_rms_norm_layer"),
+        (activation, "silu_and_mul_layer"),
+        (rotary, "qk_norm_rope_layer_"),
+    ]
+    return off + [mock.patch.object(m, name, lambda *a: None) for m, name in layer_calls]
 
 
 def one_round(llm: LLM, rng: random.Random, vocab: int) -> tuple[float, list[float]]:

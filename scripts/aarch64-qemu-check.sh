@@ -9,7 +9,8 @@
 set -euo pipefail
 ROOT=${1:-/opt/arm64}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-TESTS=(tests/test_fused_ops.py tests/test_sample_ops.py tests/test_cpu_kernel.py
+TESTS=(tests/test_fused_ops.py tests/test_fused_ops_layers.py tests/test_sample_ops.py
+    tests/test_cpu_kernel.py
     tests/test_cpu_kernel_bf16.py tests/test_cpu_kernel_threads.py
     tests/test_cpu_kernel_threads_build.py tests/test_store_kv_cpu.py
     tests/test_e2e.py tests/test_platform.py)

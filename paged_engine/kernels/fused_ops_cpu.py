@@ -28,24 +28,32 @@ from types import ModuleType
 import torch
 
 from paged_engine import platform
-from paged_engine.kernels.cpu_library import level_code, load_fused_module
+from paged_engine.kernels.cpu_library import CompiledModule, level_code, load_fused_module
+from paged_engine.kernels.fused_ops_entry import (
+    DTYPES,
+    PARALLEL_MIN_ELEMENTS,
+    run_add_rms_norm,
+    run_qk_norm_rope,
+    run_silu_and_mul,
+)
 
-__all__ = ["DTYPES", "MAX_COLS", "PARALLEL_MIN_ELEMENTS", "add_rms_norm_cpu", "fused_ok"]
+__all__ = ["DTYPES", "MAX_COLS", "PARALLEL_MIN_ELEMENTS", "add_rms_norm_cpu", "compiled"]
+__all__ += ["fused_ok"]
 __all__ += ["fused_ops_problem", "isa_levels", "qk_norm_rope_cpu_", "silu_and_mul_cpu"]
 __all__ += ["torch_sum_lanes"]
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-"""The dtypes the kernels take, with the code the C entry points read."""
 MAX_COLS = 16384
 """The longest row (hidden size or head dim) the norm kernels take (csrc's MAX_COLS)."""
-PARALLEL_MIN_ELEMENTS = 1 << 16
-"""Below this many elements a call runs on one thread (torch's own parallel grain is 32K):
-a choice, not a tuned figure. Above it, ``torch.get_num_threads()`` threads where the
-library is built with OpenMP (each row whole on one thread: the bits do not change)."""
 
 
 _COMPILED, _PROBLEM = load_fused_module()
 """The compiled module (``_fused_ops``), bound once; or None, and why."""
+
+
+def compiled() -> CompiledModule | None:
+    """The bound module (None where ``fused_ops_problem`` says why), read at every call:
+    tests swap it."""
+    return _COMPILED
 
 
 def fused_ops_problem() -> str | None:
@@ -94,10 +102,6 @@ def fused_ok(*tensors: torch.Tensor, sum_order: bool = True) -> bool:
         and (t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1)
         for t in tensors
     )
-
-
-def _threads(elements: int) -> int:
-    return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
 
 
 def _module(what: str) -> ModuleType:
@@ -172,26 +176,7 @@ def add_rms_norm_cpu(
     r2 = None if residual is None else _rows(residual, n)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = x2.shape[0]
-    if rows:
-        module.add_rms_norm(
-            x2.data_ptr(),
-            x2.stride(0),
-            0 if r2 is None else r2.data_ptr(),
-            0 if r2 is None else r2.stride(0),
-            out.data_ptr(),
-            n,
-            0 if res_out is None else res_out.data_ptr(),
-            n,
-            weight.data_ptr(),
-            rows,
-            n,
-            eps,
-            DTYPES[x.dtype],
-            lanes,
-            _threads(rows * n),
-            level,
-        )
+    run_add_rms_norm(module, x2, r2, weight, out, res_out, eps, lanes, level)
     return out, res_out
 
 
@@ -240,25 +225,9 @@ def qk_norm_rope_cpu_(
         raise ValueError(f"{what}: head_dim {d} must be even and at most {MAX_COLS}")
     lanes = _lanes(what) if given else 16  # no norm, no sum: any width the kernel takes
     module, level = _module(what), level_code(what, isa, isa_levels())
-    if tokens and heads:
-        module.qk_norm_rope(
-            qk.data_ptr(),
-            qk.stride(0),
-            tokens,
-            num_q_heads,
-            heads,
-            0 if q_weight is None else q_weight.data_ptr(),
-            0 if k_weight is None else k_weight.data_ptr(),
-            cos.data_ptr(),
-            signed_sin.data_ptr(),
-            cos.stride(0),
-            d,
-            eps,
-            DTYPES[qk.dtype],
-            lanes,
-            _threads(tokens * heads * d),
-            level,
-        )
+    run_qk_norm_rope(
+        module, qk, q_weight, k_weight, num_q_heads, eps, cos, signed_sin, lanes, level
+    )
     return qk
 
 
@@ -276,17 +245,5 @@ def silu_and_mul_cpu(x: torch.Tensor, *, isa: str | None = None) -> torch.Tensor
     x2 = _rows(x, width)
     d = width // 2
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
-    rows = x2.shape[0]
-    if rows and d:
-        module.silu_and_mul(
-            x2.data_ptr(),
-            x2.stride(0),
-            out.data_ptr(),
-            d,
-            rows,
-            d,
-            DTYPES[x.dtype],
-            _threads(rows * width),
-            level,
-        )
+    run_silu_and_mul(module, x2, out.view(x2.shape[0], d), level)
     return out

@@ -4,7 +4,9 @@ On the CPU (float32 or bfloat16) ``RMSNorm`` runs the compiled fused kernel
 (``kernels/fused_ops_cpu.py``): the add and the norm in one pass over each row, bit for bit
 the torch ops below (which run everywhere else, and on the CPU where the kernel is not
 built). At decode that is one call instead of about eight; bench/test_fused_ops_bench.py
-measures both.
+measures both. Contiguous rows (a projection's output, the residual stream) reach the
+kernel through ``kernels/fused_ops_layers.py``'s one pass of checks; strided ones through
+the launcher's general path.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.kernels.fused_ops_cpu import MAX_COLS, add_rms_norm_cpu, fused_ok
+from paged_engine.kernels.fused_ops_layers import add_rms_norm_layer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,6 +74,9 @@ class RMSNorm(nn.Module):
         The fused form lets a decoder layer carry the residual stream between its two norms
         without a separate add; the sum is taken in the model dtype, as transformers does.
         """
+        fast = add_rms_norm_layer(x, residual, self.weight, self.eps)
+        if fast is not None:
+            return fast[0] if fast[1] is None else (fast[0], fast[1])
         if x.shape[-1] <= MAX_COLS and (
             fused_ok(x, self.weight) if residual is None else fused_ok(x, residual, self.weight)
         ):

@@ -6,7 +6,9 @@ length limit, and produces exactly transformers' values, op for op.
 
 ``norm_rotate`` is Qwen3's whole q/k step (per-head RMSNorm, then the rotation). On the
 CPU it runs the compiled fused kernel in place (``kernels/fused_ops_cpu.py``; bit for bit
-the torch ops it replaces), elsewhere those torch ops.
+the torch ops it replaces), elsewhere those torch ops. The kernel is reached through
+``kernels/fused_ops_layers.py``'s one pass of checks where the heads come straight from the
+qkv output, through the launcher's general path otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from paged_engine.kernels.fused_ops_cpu import MAX_COLS, fused_ok, qk_norm_rope_cpu_
+from paged_engine.kernels.fused_ops_layers import qk_norm_rope_layer_
 from paged_engine.layers.layernorm import rms_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -183,8 +186,10 @@ class RotaryEmbedding(nn.Module):
         """``rotate`` in place on the CPU where the fused kernel takes ``qk`` (the same
         bits: each product and the sum rounded as torch's ops round them), so pass a buffer
         nothing else reads, like the qkv projection's output; elsewhere a new tensor."""
+        cos, signed_sin = self.cos_signed_sin(positions, qk.dtype)
+        if qk_norm_rope_layer_(qk, None, None, 0, 0.0, cos, signed_sin) is not None:
+            return qk
         if self._fused_layout(qk) and fused_ok(qk, sum_order=False):
-            cos, signed_sin = self.cos_signed_sin(positions, qk.dtype)
             return qk_norm_rope_cpu_(qk, None, None, 0, 0.0, cos, signed_sin)
         return self.rotate(positions, qk)
 
@@ -205,8 +210,11 @@ class RotaryEmbedding(nn.Module):
         The torch form norms q and k side by side, ``[N, H + kvh, d]``, in one call: each
         head's norm is per row, so this is op for op the separate ``q_norm``/``k_norm``.
         """
+        cos, signed_sin = self.cos_signed_sin(positions, qk.dtype)
+        fast = qk_norm_rope_layer_(qk, q_weight, k_weight, num_q_heads, eps, cos, signed_sin)
+        if fast is not None:
+            return qk
         if self._fused_layout(qk) and fused_ok(qk, q_weight, k_weight):
-            cos, signed_sin = self.cos_signed_sin(positions, qk.dtype)
             return qk_norm_rope_cpu_(qk, q_weight, k_weight, num_q_heads, eps, cos, signed_sin)
         heads, d = qk.shape[-2], qk.shape[-1]
         weight = torch.cat(
