@@ -27,8 +27,17 @@ from tests.test_server_support import MODEL, PROMPTS, serve_process
 pytestmark = pytest.mark.timeout(120)
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG_CONTEXT = 65536
+LONG_TOKENS = 60_000
+"""New tokens a long request asks for: no CPU makes them in the seconds a test waits (1,500
+did, within a 2 s grace period, on an AMD Zen 5), so such a request is still in flight
+when a test needs it to be."""
 LONG = dict(
-    model=MODEL, max_tokens=1500, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    model=MODEL,
+    max_tokens=LONG_TOKENS,
+    temperature=0,
+    stream=True,
+    extra_body={"ignore_eos": True},
 )
 
 
@@ -69,9 +78,19 @@ def test_serve_help_shows_the_server_flags_and_defaults(
 
 
 @pytest.fixture(scope="module")
-def untemplated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model without the chat template ``make_tiny_model`` writes."""
-    path = Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("untemplated") / "m"))
+def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with room for ``LONG_TOKENS`` new tokens."""
+    from paged_engine.utils.tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-long") / "model"
+    return make_tiny_model(out, seed=0, max_position_embeddings=LONG_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def untemplated(long_context_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The long-context tiny model without the chat template ``make_tiny_model`` writes."""
+    dst = tmp_path_factory.mktemp("untemplated") / "m"
+    path = Path(shutil.copytree(long_context_model_dir, dst))
     (path / "chat_template.jinja").unlink()
     return path
 
@@ -80,8 +99,8 @@ def untemplated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 def served(untemplated: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """One server process for the module (its start costs seconds); the SIGTERM test,
     last, ends it."""
-    flags = ["--max-queue", "4", "--shutdown-timeout", "0.5", "--max-model-len", "2048"]
-    flags += ["--num-kv-blocks", "2048"]
+    flags = ["--max-queue", "4", "--shutdown-timeout", "0.5"]
+    flags += ["--max-model-len", str(LONG_CONTEXT), "--num-kv-blocks", "8192"]
     with serve_process(untemplated, *flags, env={"PAGED_ENGINE_API_KEY": KEY}) as served:
         yield served
 
@@ -181,22 +200,10 @@ def test_sigterm_ends_the_streams_and_exits_in_bounded_time(
     # each stream ran on during the grace period, then ended with the shutdown error event
     assert sorted(ends) == [0, 1, 2, 3]
     for end in ends.values():
-        assert end[0] == "error" and "shutting down" in end[2] and 3 <= end[1] < 1500, end
+        assert end[0] == "error" and "shutting down" in end[2] and 3 <= end[1] < LONG_TOKENS, end
     assert elapsed < 10, elapsed
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
-
-
-LONG_CONTEXT = 65536
-
-
-@pytest.fixture(scope="module")
-def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with room for 60,000 new tokens: requests no CPU finishes in seconds."""
-    from paged_engine.utils.tiny_model import make_tiny_model
-
-    out = tmp_path_factory.mktemp("tiny-long") / "model"
-    return make_tiny_model(out, seed=0, max_position_embeddings=LONG_CONTEXT)
 
 
 def test_shutdown_under_load_ends_within_its_timeout_and_the_stated_bound(
@@ -218,7 +225,7 @@ def test_shutdown_under_load_ends_within_its_timeout_and_the_stated_bound(
         stop = threading.Event()
 
         def streamer(i: int) -> None:
-            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 60_000}
+            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": LONG_TOKENS}
             body |= {"ignore_eos": True, "stream": True}
             while not stop.is_set():
                 try:
@@ -228,7 +235,7 @@ def test_shutdown_under_load_ends_within_its_timeout_and_the_stated_bound(
                     time.sleep(0.05)
 
         def plain(i: int) -> None:
-            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 60_000}
+            body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": LONG_TOKENS}
             body |= {"ignore_eos": True}
             http = httpx.Client(timeout=60)
             while not stop.is_set():
