@@ -427,6 +427,12 @@ BAD_CALLS: list[tuple[Any, str]] = [
         ),
         "head_dim 7 must be even",
     ),
+    (
+        lambda t: qk_norm_rope_cpu_(
+            t["qk"][:1].expand(2, 3, 8), t["w8"], t["w8"], 2, EPS, t["c"], t["s"]
+        ),
+        "tokens overlap",
+    ),
     (lambda t: silu_and_mul_cpu(t["x"][:, :15]), "must be even"),
 ]
 

@@ -27,6 +27,7 @@ from paged_engine.kernels.fused_ops_ref import (
     rms_norm_ref,
     silu_and_mul_ref,
 )
+from paged_engine.layers import activation, layernorm
 from paged_engine.layers.activation import SiluAndMul
 from paged_engine.layers.layernorm import RMSNorm
 from paged_engine.layers.rotary import RopeSpec, RotaryEmbedding
@@ -74,6 +75,15 @@ def check_norms(calls: ModuleType) -> None:
             f"norm alone differs, {rows}x{n}"
         )
         assert torch.equal(x, before[0]) and torch.equal(res, before[1]), "an input was written"
+    # rows in more than two dims, and no rows at all
+    x3, r3 = torch.randn(2, 3, 40, generator=_gen(9)), torch.randn(2, 3, 40, generator=_gen(10))
+    w3 = torch.rand(40, generator=_gen(11)) + 0.5
+    got3 = calls.add_rms_norm_layer(x3, r3, w3, EPS)
+    want3 = add_rms_norm_ref(x3, r3, w3, EPS)
+    assert got3 is not None and got3[1] is not None, "declined 3-D rows"
+    assert torch.equal(got3[0], want3[0]) and torch.equal(got3[1], want3[1]), "3-D rows differ"
+    empty = calls.add_rms_norm_layer(torch.empty(0, 40), None, w3, EPS)
+    assert empty is not None and empty[0].shape == (0, 40)
 
 
 def check_rotation(calls: ModuleType) -> None:
@@ -102,6 +112,12 @@ def check_rotation(calls: ModuleType) -> None:
         assert got is qk, f"declined a qkv view, {dtype} normed={normed}"
         assert torch.equal(qk, want), f"rotation differs, {tokens} tokens {dtype} normed={normed}"
         assert torch.equal(qkv[:, qk.shape[1] * 16 :], v_before), "wrote into the v columns"
+    # one token at a token stride no dense tensor has: the stride is never stepped over
+    one = torch.randn(1, 3, 16, generator=_gen(12)).as_strided((1, 3, 16), (1000, 16, 1))
+    before = one.clone()
+    cos, signed_sin = rotary.cos_signed_sin(torch.tensor([9]), F32)
+    assert calls.qk_norm_rope_layer_(one, None, None, 0, 0.0, cos, signed_sin) is one
+    assert torch.equal(one, rotary.rotate(torch.tensor([9]), before)), "one token differs"
 
 
 def check_activation(calls: ModuleType) -> None:
@@ -144,8 +160,18 @@ def check_declines(calls: ModuleType) -> None:
     qk = qkv[:, : 4 * 16].view(4, 4, 16)
     spread = torch.randn(4, 4, 32, generator=g)[:, :, :16]  # heads 32 elements apart
     _declines("heads not contiguous", lambda: rope(spread, qw, qw, 2, EPS, cos, sin), spread)
-    columns = torch.randn(4, 16, 4, generator=g).transpose(1, 2)  # elements 4 apart
-    _declines("a strided head", lambda: rope(columns, qw, qw, 2, EPS, cos, sin), columns)
+    base = torch.randn(4 * 64 + 32, generator=g)
+    columns = base.as_strided((4, 4, 16), (64, 16, 2))  # heads 16 apart, elements 2 apart
+    _declines("a strided head", lambda: rope(columns, qw, qw, 2, EPS, cos, sin), base)
+    overlapping = qkv[:1, :64].view(1, 4, 16).expand(4, 4, 16)  # four tokens, one memory
+    _declines("tokens that overlap", lambda: rope(overlapping, qw, qw, 2, EPS, cos, sin), qkv)
+    neg_qk = torch._neg_view(qkv)[:, :64].view(4, 4, 16)
+    _declines("a negated qk", lambda: rope(neg_qk, qw, qw, 2, EPS, cos, sin), qkv)
+    grad_qk = qkv.clone().requires_grad_()
+    grad_view = grad_qk[:, :64].view(4, 4, 16)
+    _declines("a qk needing a gradient", lambda: rope(grad_view, qw, qw, 2, EPS, cos, sin), qkv)
+    _declines("bfloat16 cos", lambda: rope(qk, qw, qw, 2, EPS, cos.to(BF16), sin), qkv)
+    _declines("a short weight", lambda: rope(qk, qw, qw[:8], 2, EPS, cos, sin), qkv)
     _declines("one weight", lambda: rope(qk, qw, None, 2, EPS, cos, sin), qkv)
     _declines("too many q heads", lambda: rope(qk, qw, qw, 5, EPS, cos, sin), qkv)
     _declines("cos of another shape", lambda: rope(qk, qw, qw, 2, EPS, cos[:3], sin[:3]), qkv)
@@ -212,8 +238,20 @@ def test_the_layer_calls_run_the_level_the_platform_allows(monkeypatch: pytest.M
     check_levels(fused_ops_layers, monkeypatch)
 
 
-def test_the_modules_give_the_references_result_where_the_layer_calls_decline() -> None:
+def test_the_modules_give_the_references_result_where_the_layer_calls_decline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Strided rows go through the launcher's general path, a gradient through torch."""
+    answers: list[bool] = []
+    for module, name in [(layernorm, "add_rms_norm_layer"), (activation, "silu_and_mul_layer")]:
+        real = getattr(module, name)
+
+        def asked(*args: Any, _real: Any = real) -> Any:
+            answer = _real(*args)
+            answers.append(answer is None)
+            return answer
+
+        monkeypatch.setattr(module, name, asked)
     g = _gen(3)
     wide = torch.randn(4, 96, generator=g)
     norm = RMSNorm(64, eps=EPS)
@@ -226,6 +264,7 @@ def test_the_modules_give_the_references_result_where_the_layer_calls_decline() 
     grad_x = res.clone().requires_grad_()
     out = norm(grad_x)
     assert out.grad_fn is not None and torch.equal(out, rms_norm_ref(grad_x, norm.weight, EPS))
+    assert answers == [True, True, True], f"the layer calls took a tensor: {answers}"
 
 
 def _mutant(name: str) -> ModuleType:

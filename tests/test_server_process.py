@@ -29,9 +29,9 @@ KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG_CONTEXT = 65536
 LONG_TOKENS = 60_000
-"""New tokens a long request asks for: no CPU makes them in the seconds a test waits (1,500
-did, within a 2 s grace period, on an AMD Zen 5), so such a request is still in flight
-when a test needs it to be."""
+"""New tokens a long request asks for: far more than any CPU makes in the seconds a test
+waits, so such a request is still in flight when a test needs it to be (a shorter one once
+finished within a grace period on a fast CPU: see the load test below)."""
 LONG = dict(
     model=MODEL,
     max_tokens=LONG_TOKENS,

@@ -3,9 +3,11 @@ per-head q/k RMSNorm + rotary in place, and silu(gate) * up, on CPU tensors.
 
 The kernels read raw addresses, so everything they could misread is checked here first
 (dtypes, devices, shapes, unit last strides) and a bad argument raises ``ValueError``
-before anything is written. The readable references are in ``fused_ops_ref.py``; the layer
-modules (``layers/layernorm.py``, ``rotary.py``, ``activation.py``) call these on the CPU
-when ``fused_ok`` says the tensors qualify, and torch's ops everywhere else.
+before anything is written. The readable references are in ``fused_ops_ref.py``. The layer
+modules (``layers/layernorm.py``, ``rotary.py``, ``activation.py``) reach the kernels
+through ``fused_ops_layers.py``'s one pass of checks where their tensors are the contiguous
+ones a model step makes; otherwise through these launchers where ``fused_ok`` says the
+tensors qualify, and torch's ops everywhere else.
 
 The norms are bit for bit torch's op chain only if their mean square adds its squares in
 the order of torch's own CPU sum, whose vector width depends on how torch was built and on
@@ -88,7 +90,7 @@ def fused_ok(*tensors: torch.Tensor, sum_order: bool = True) -> bool:
     """Whether the kernels take these tensors: all on the CPU, all float32 or all bfloat16,
     with a unit last stride, none needing a gradient, and (unless ``sum_order`` is False:
     the rotation alone sums nothing) torch's sum order known to the kernels. A few
-    attribute reads a tensor: the modules ask on every call."""
+    attribute reads a tensor: the modules ask where ``fused_ops_layers`` declines."""
     if _COMPILED is None or (sum_order and torch_sum_lanes() is None):
         return False
     dtype = tensors[0].dtype
@@ -209,6 +211,11 @@ def qk_norm_rope_cpu_(
             f"shape {tuple(qk.shape)} strides {qk.stride()}"
         )
     tokens, heads, d = qk.shape
+    if tokens > 1 and qk.stride(0) < heads * d:
+        raise ValueError(
+            f"{what}: qk's tokens overlap: token stride {qk.stride(0)} is under heads * "
+            f"head_dim = {heads * d}"
+        )
     if not 0 <= num_q_heads <= heads:
         raise ValueError(f"{what}: num_q_heads {num_q_heads} is not in [0, {heads}]")
     if any(w.shape != (d,) for w in given.values()):

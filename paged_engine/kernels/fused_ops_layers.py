@@ -20,7 +20,7 @@ them; the module then runs the launcher's general path or torch, as before:
 Whatever passes is exactly what the launcher would have passed and computed the same way:
 the same entry point, level (``fused_ops_cpu.isa_levels``'s first, whose answer is kept
 until the platform's ``CpuInfo`` changes) and thread count, so the bits are the launcher's
-(tests/test_fused_ops.py compares them).
+(tests/test_fused_ops_layers.py compares them).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def add_rms_norm_layer(
     or None where they are not ones this path takes (see the module)."""
     compiled = fused_ops_cpu.compiled()
     dtype = x.dtype
-    if compiled is None or dtype not in DTYPES or x.dim() == 0:
+    if compiled is None or not x.is_cpu or dtype not in DTYPES or x.dim() == 0:
         return None
     n = x.shape[-1]
     if not 1 <= n <= MAX_COLS or weight.shape != (n,):
@@ -86,8 +86,8 @@ def add_rms_norm_layer(
     lanes = fused_ops_cpu.torch_sum_lanes()
     if lanes is None:
         return None
-    out = torch.empty_like(x)
-    res_out = None if residual is None else torch.empty_like(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res_out = None if residual is None else torch.empty_like(out)
     rows = x.numel() // n
     x2 = x.view(rows, n)
     r2 = None if residual is None else residual.view(rows, n)
@@ -110,14 +110,16 @@ def qk_norm_rope_layer_(
     they are not ones this path takes, with ``qk`` untouched."""
     compiled = fused_ops_cpu.compiled()
     dtype = qk.dtype
-    if compiled is None or dtype not in DTYPES or qk.dim() != 3:
+    if compiled is None or not qk.is_cpu or dtype not in DTYPES or qk.dim() != 3:
         return None
     tokens, heads, d = qk.shape
     if qk.stride(2) != 1 or qk.stride(1) != d or d % 2 or not 2 <= d <= MAX_COLS:
         return None
+    if tokens > 1 and qk.stride(0) < heads * d:  # tokens that overlap (an expanded view)
+        return None
     if not 0 <= num_q_heads <= heads or (q_weight is None) != (k_weight is None):
         return None
-    if not qk.is_cpu or qk.is_neg() or (qk.requires_grad and torch.is_grad_enabled()):
+    if qk.is_neg() or (qk.requires_grad and torch.is_grad_enabled()):
         return None
     if cos.shape != (tokens, d) or signed_sin.shape != (tokens, d):
         return None
@@ -147,7 +149,10 @@ def silu_and_mul_layer(x: torch.Tensor) -> torch.Tensor | None:
     where it is not one this path takes."""
     compiled = fused_ops_cpu.compiled()
     dtype = x.dtype
-    if compiled is None or dtype not in DTYPES or x.dim() == 0 or not _plain(dtype, x):
+    if compiled is None or not x.is_cpu or dtype not in DTYPES or x.dim() == 0:
+        return None
+    # as fused_ok did: the kernels only where torch's sum order is known, though this sums nothing
+    if not _plain(dtype, x) or fused_ops_cpu.torch_sum_lanes() is None:
         return None
     width = x.shape[-1]
     if width % 2:
