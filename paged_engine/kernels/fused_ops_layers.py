@@ -4,7 +4,8 @@
 refused with a ``ValueError``. The layers used to ask ``fused_ok`` first and then call those
 launchers, so each layer call ran two sets of checks, looked its instruction-set level up
 again and allocated its outputs from a shape; at decode that Python took longer than the
-kernel (bench/test_fused_ops_bench.py's ``layer`` rows measure a module call both ways).
+kernel (bench/test_fused_ops_bench.py's ``launcher`` and ``fused`` columns time a call
+both ways).
 
 A layer's tensors are the contiguous outputs of the projection before it (the rotation's is
 the q/k heads of the qkv output, contiguous within each token). So each call here asks, once,
@@ -15,7 +16,9 @@ them; the module then runs the launcher's general path or torch, as before:
   within a token, tokens at any stride), not a lazily negated view, and none needing a
   gradient while grad mode is on;
 * the shapes the kernel reads (the weight ``[n]``, the residual like ``x``, the rows' width
-  within ``MAX_COLS``), and for the norms torch's sum order known to the kernels.
+  within ``MAX_COLS``), and torch's sum order known to the kernels (as ``fused_ok`` asked:
+  the norms need it, and the activation keeps the rule it had; the rotation alone sums
+  nothing).
 
 Whatever passes is exactly what the launcher would have passed and computed the same way:
 the same entry point, level (``fused_ops_cpu.isa_levels``'s first, whose answer is kept
