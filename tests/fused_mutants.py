@@ -1,4 +1,4 @@
-"""Deliberately broken fused small ops (``csrc/fused_ops.c``), each named after its bug.
+"""Deliberately broken fused small ops (``csrc/fused_ops_rows.h``), each named after its bug.
 
 The product carries no switch for any of them: each is a patch file,
 ``tests/fused_mutants/<name>.patch``, applied to a temporary copy of csrc/ when the mutant

@@ -292,7 +292,7 @@ def test_silu_and_mul_is_close_for_any_shape(rows, d, dtype, scale, seed, isa) -
 
 @each_level
 def test_silu_of_very_negative_gates_is_zero_not_nan(isa: str) -> None:
-    # fast-math's reciprocal of an infinite 1 + exp(-g) would be NaN (csrc/fused_ops.c).
+    # fast-math's reciprocal of an infinite 1 + exp(-g) would be NaN (csrc/fused_ops_rows.h).
     x = torch.tensor([[-1e4, -200.0, -89.0, 5.0, 1.0, 1.0, 2.0, 3.0]])
     got = silu_and_mul_cpu(x, isa=isa)
     assert bool(torch.isfinite(got).all()) and bool((got[0, :3].abs() < 1e-30).all())
@@ -527,7 +527,7 @@ def test_the_modules_keep_torch_where_a_gradient_is_needed_or_the_dtype_is_other
 
 @each_level
 def test_threads_change_no_bit(isa: str) -> None:
-    """Each row is computed whole by one thread (csrc/fused_ops.c's run_ranges)."""
+    """Each row is computed whole by one thread (csrc/levels.h's run_ranges)."""
     module = compiled_module()
     x = torch.randn(300, 512)
     w = torch.rand(512) + 0.5

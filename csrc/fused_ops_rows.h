@@ -1,0 +1,260 @@
+/*
+ * The fused small ops' rows (fused_ops.c's header comment says what each op is and why its
+ * numerics are torch's): the element helpers, and each op as a function over rows
+ * [begin, end) of a call, compiled once per instruction-set level (LEVELS, levels.h).
+ * fused_ops.c holds the Python entry points that check a call's arguments and run these
+ * rows over threads; it is the one file that includes this one.
+ */
+#ifndef PAGED_ENGINE_FUSED_OPS_ROWS_H
+#define PAGED_ENGINE_FUSED_OPS_ROWS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "isa.h"
+#include "levels.h"
+
+
+#define INLINE static inline __attribute__((always_inline))
+
+#define MAX_COLS 16384 /* a row's widened copy lives on the stack */
+#define MAX_LANES 16
+
+INLINE float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* f rounded to bfloat16, as torch rounds (to nearest, ties to even; a NaN stays a quiet
+ * NaN), and widened back: the bfloat16 bits in the upper half of a float's, in 32-bit
+ * integer arithmetic (no FP mode involved). A rounding between two float32 steps stays in
+ * 32-bit lanes this way: the vectorised loops need not narrow to 16 bits and widen back. */
+INLINE float rnd_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t nan = (u | 0x00400000u) & 0xffff0000u; /* the quiet bit set */
+    const uint32_t even = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? nan : even;
+    float out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* f rounded to bfloat16's 16 bits. */
+INLINE uint16_t f32_to_bf16(float f) {
+    const float r = rnd_bf16(f);
+    uint32_t u;
+    memcpy(&u, &r, sizeof u);
+    return (uint16_t)(u >> 16);
+}
+
+/* v rounded to the model dtype, kept as a float (exact for bfloat16 values). */
+INLINE float rnd(float v, const int bf16) { return bf16 ? rnd_bf16(v) : v; }
+
+INLINE float load(const void *p, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE void store(void *p, int64_t i, float v, const int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* store() for a v already rounded to the model dtype (rnd's result): its upper half as is. */
+INLINE void store_rounded(void *p, int64_t i, float v, const int bf16) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    if (bf16)
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    else
+        ((float *)p)[i] = v;
+}
+
+EXACT_FP_BEGIN
+
+/* torch's multi_row_sum over `size` groups of 4 consecutive L-wide units of x^2: a running
+ * sum per (row k, lane), carried up 4 levels every `step` groups so that only partial sums
+ * of similar size are added. out: [4][L]. Levels above 0 stay zero below `step` groups
+ * (rows under 64 L elements): they are then neither cleared nor added, which changes no bit
+ * (x + 0 == x for the non-negative sums here). */
+INLINE void cascade4(const float *x, int64_t size, const int L, float out[4][MAX_LANES]) {
+    float acc[4][4][MAX_LANES];
+    const int64_t log2 = size <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)size - 1);
+    const int64_t power = log2 / 4 > 4 ? log2 / 4 : 4;
+    const int64_t step = (int64_t)1 << power, mask = step - 1;
+    const int levels = size >= step ? 4 : 1;
+    for (int j = 0; j < levels; j++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < L; l++) acc[j][k][l] = 0.f;
+    int64_t i = 0;
+    while (i + step <= size) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < L; l++) {
+                    const float v = x[(i * 4 + k) * L + l];
+                    acc[0][k][l] += v * v;
+                }
+        for (int j = 1; j < 4; j++) {
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < L; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.f;
+                }
+            if (i & (mask << (j * power))) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < L; l++) {
+                const float v = x[(i * 4 + k) * L + l];
+                acc[0][k][l] += v * v;
+            }
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; l < L; l++) {
+            out[k][l] = acc[0][k][l];
+            for (int j = 1; j < levels; j++) out[k][l] += acc[j][k][l];
+        }
+}
+
+/* sum(x^2) over n floats, in torch's order for a contiguous row (its row_sum over L-wide
+ * vectors, 4 interleaved, then the leftover elements, then the lanes one by one; a row
+ * shorter than one vector: the same over single elements). */
+INLINE float sum_squares(const float *x, int64_t n, const int L) {
+    float parts[4][MAX_LANES];
+    if (n < L) {
+        cascade4(x, n / 4, 1, parts);
+        for (int64_t i = n / 4 * 4; i < n; i++) parts[0][0] += x[i] * x[i];
+        return parts[0][0] + parts[1][0] + parts[2][0] + parts[3][0];
+    }
+    const int64_t units = n / L;
+    cascade4(x, units / 4, L, parts);
+    for (int64_t u = units / 4 * 4; u < units; u++)
+        for (int l = 0; l < L; l++) parts[0][l] += x[u * L + l] * x[u * L + l];
+    for (int k = 1; k < 4; k++)
+        for (int l = 0; l < L; l++) parts[0][l] += parts[k][l];
+    float total = 0.f;
+    for (int64_t i = units * L; i < n; i++) total += x[i] * x[i];
+    for (int l = 0; l < L; l++) total += parts[0][l];
+    return total;
+}
+
+/* 1 / sqrt(mean(x^2) + eps), as torch's mean (sum, then a true division) and rsqrt. */
+INLINE float inv_rms(const float *x, int64_t n, float eps, const int L) {
+    /* L a constant in each branch: each width's loops unrolled and vectorised */
+    const float sum = L == 4   ? sum_squares(x, n, 4)
+                      : L == 8 ? sum_squares(x, n, 8)
+                               : sum_squares(x, n, 16);
+    const float mean = sum / (float)n;
+    return 1.f / sqrtf(mean + eps);
+}
+
+typedef struct {
+    const void *x, *res, *w;
+    void *out, *res_out;
+    int64_t xs, rs, os, ros, rows, n;
+    float eps;
+} NormArgs;
+
+INLINE void add_rms_norm_rows(const NormArgs *a, const int bf16, const int L, int64_t begin,
+                              int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+        float row[MAX_COLS];
+        const char *x = (const char *)a->x + i * a->xs * (bf16 ? 2 : 4);
+        if (a->res != NULL) {
+            const char *r = (const char *)a->res + i * a->rs * (bf16 ? 2 : 4);
+            char *ro = (char *)a->res_out + i * a->ros * (bf16 ? 2 : 4);
+            for (int64_t j = 0; j < a->n; j++) {
+                row[j] = rnd(load(r, j, bf16) + load(x, j, bf16), bf16);
+                store_rounded(ro, j, row[j], bf16);
+            }
+        } else {
+            for (int64_t j = 0; j < a->n; j++) row[j] = load(x, j, bf16);
+        }
+        const float scale = inv_rms(row, a->n, a->eps, L);
+        char *o = (char *)a->out + i * a->os * (bf16 ? 2 : 4);
+        for (int64_t j = 0; j < a->n; j++)
+            store(o, j, load(a->w, j, bf16) * rnd(row[j] * scale, bf16), bf16);
+    }
+}
+
+LEVELS(add_rms_norm_f32, add_rms_norm_rows(a, 0, L, begin, end))
+LEVELS(add_rms_norm_bf16, add_rms_norm_rows(a, 1, L, begin, end))
+
+typedef struct {
+    void *qk;
+    const void *wq, *wk, *cos, *sin;
+    int64_t ts, cs, tokens, q_heads, heads, d;
+    float eps;
+} RopeArgs;
+
+/* Per (token, head): the head's RMSNorm (q weight for the first q_heads, else k; no norm
+ * when both weights are NULL: the Llama families rotate without one), then
+ * x * cos + [x2, x1] * [-sin, sin] (sin's first half arrives negated), each product and
+ * the sum rounded to the model dtype, as torch's three ops round them. */
+INLINE void qk_norm_rope_rows(const RopeArgs *a, const int bf16, const int L, int64_t begin,
+                              int64_t end) {
+    const int64_t half = a->d / 2;
+    for (int64_t it = begin; it < end; it++) {
+        float row[MAX_COLS], normed[MAX_COLS];
+        const int64_t t = it / a->heads, h = it % a->heads;
+        char *x = (char *)a->qk + (t * a->ts + h * a->d) * (bf16 ? 2 : 4);
+        const void *w = h < a->q_heads ? a->wq : a->wk;
+        for (int64_t j = 0; j < a->d; j++) row[j] = load(x, j, bf16);
+        if (w != NULL) {
+            const float scale = inv_rms(row, a->d, a->eps, L);
+            for (int64_t j = 0; j < a->d; j++)
+                normed[j] = rnd(load(w, j, bf16) * rnd(row[j] * scale, bf16), bf16);
+        } else {
+            for (int64_t j = 0; j < a->d; j++) normed[j] = row[j];
+        }
+        const char *c = (const char *)a->cos + t * a->cs * (bf16 ? 2 : 4);
+        const char *s = (const char *)a->sin + t * a->cs * (bf16 ? 2 : 4);
+        for (int64_t j = 0; j < half; j++) {
+            const float p = rnd(normed[j] * load(c, j, bf16), bf16);
+            store(x, j, p + rnd(normed[j + half] * load(s, j, bf16), bf16), bf16);
+        }
+        for (int64_t j = half; j < a->d; j++) {
+            const float p = rnd(normed[j] * load(c, j, bf16), bf16);
+            store(x, j, p + rnd(normed[j - half] * load(s, j, bf16), bf16), bf16);
+        }
+    }
+}
+
+LEVELS(qk_norm_rope_f32, qk_norm_rope_rows(a, 0, L, begin, end))
+LEVELS(qk_norm_rope_bf16, qk_norm_rope_rows(a, 1, L, begin, end))
+
+EXACT_FP_END
+
+typedef struct {
+    const void *x;
+    void *out;
+    int64_t xs, os, d;
+} SiluArgs;
+
+/* silu(g) * u with g the first d columns of a row and u the next d; fast-math (outside the
+ * exact section: fused_ops.c's header comment). In bfloat16 silu's result is rounded before
+ * the multiply, as torch's two ops round it. The exponent is capped at 88 (expf(88) ~
+ * 1.7e38, finite): fast-math's refined reciprocal of an infinite 1 + exp(-g) is NaN, where
+ * torch gets -0; capped, g < -88 gives a |silu| below 6e-37 instead. */
+INLINE void silu_and_mul_rows(const SiluArgs *a, const int bf16, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+        const char *g = (const char *)a->x + i * a->xs * (bf16 ? 2 : 4);
+        const char *u = g + a->d * (bf16 ? 2 : 4);
+        char *o = (char *)a->out + i * a->os * (bf16 ? 2 : 4);
+        for (int64_t j = 0; j < a->d; j++) {
+            const float v = load(g, j, bf16);
+            const float silu = v / (1.f + expf(fminf(-v, 88.f)));
+            store(o, j, rnd(silu, bf16) * load(u, j, bf16), bf16);
+        }
+    }
+}
+
+LEVELS(silu_and_mul_f32, ((void)L, silu_and_mul_rows(a, 0, begin, end)))
+LEVELS(silu_and_mul_bf16, ((void)L, silu_and_mul_rows(a, 1, begin, end)))
+
+#endif
