@@ -383,6 +383,7 @@ def test_a_sequence_that_grows_between_lookups_is_looked_up_again() -> None:
     check_lookups_across_growth(BlockManager)
 
 
+@pytest.mark.source_patch
 def test_the_memo_keyed_without_the_length_is_caught(tmp_path: Path) -> None:
     # The patch mutant (tests/allocator_mutants/MemoIgnoresLength.diff): can_allocate's
     # remembered lookup keyed on the sequence and the state version only, not on its
