@@ -175,3 +175,34 @@ def test_a_remembered_lookup_is_not_reused_after_the_state_changed() -> None:
         bm.deallocate(seq)  # 6..9: first's blocks freed, still registered (lazy eviction)
     assert bm._version == late.num_tokens == 9  # the coincidence mutant 10 needs
     assert bm.can_allocate(late) == 2  # both blocks revived from the free queue
+
+
+# --------------------------------------------------------------------------------------------
+# A later chunk registers only the blocks it filled: kills xǁBlockManagerǁhash_blocks__mutmut_67
+# (the general path's loop from block 0, so a chunk registers its sequence's earlier blocks
+# again and takes a hash back from a newer registration of the same tokens: R8, the newest
+# registration wins).
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_later_chunk_leaves_a_newer_registration_of_an_earlier_block_alone() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    chunked = Sequence(list(range(1, 13)), block_size=4)  # 3 blocks, prefilled in 2 chunks
+    same_start = Sequence([1, 2, 3, 4, 50, 51, 52, 53], block_size=4)
+    assert bm.can_allocate(chunked) == 0
+    bm.allocate(chunked, 0)  # blocks 0, 1, 2
+    assert bm.can_allocate(same_start) == 0  # nothing registered yet
+    bm.allocate(same_start, 0)  # blocks 3, 4
+    assert (chunked.block_table, same_start.block_table) == ([0, 1, 2], [3, 4])
+    chunked.num_scheduled_tokens = 4
+    bm.hash_blocks(chunked)  # block 0 registered for [1..4]
+    chunked.num_cached_tokens, chunked.num_scheduled_tokens = 4, 0
+    same_start.num_scheduled_tokens = 8
+    bm.hash_blocks(same_start)  # block 3 for [1..4] now (newest wins), block 4 for [50..53]
+    chunked.num_scheduled_tokens = 8  # two blocks at once: the general path, not the inlined
+    bm.hash_blocks(chunked)  # blocks 1 and 2, and nothing else
+    late = Sequence([1, 2, 3, 4, 7, 7, 7, 7, 8], block_size=4)
+    assert bm.can_allocate(late) == 1
+    bm.allocate(late, 1)
+    assert late.block_table == [3, 5, 6]  # the hit is same_start's block, then the queue head
+    assert bm.ref_counts[3] == 2 and bm.ref_counts[0] == 1
