@@ -312,3 +312,44 @@ def test_a_bool_or_none_token_is_refused_by_name_and_recover_undoes_the_step() -
         assert seq.token_ids == [1, 2, 3]  # nothing appended
         assert sched.recover() == [seq]
         assert list(sched.waiting) == [seq] and seq.block_table == []
+
+
+# --------------------------------------------------------------------------------------------
+# The deferral keys a block by its hash and its tokens (S5 with R10): kills
+# admission.xǁPrefillAdmissionǁ_block_keys__mutmut_10 (the tokens dropped from the key, so a
+# request whose next block only collides in hash with one this step computes is deferred).
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_block_that_only_collides_in_hash_does_not_defer_a_request() -> None:
+    def one_hash(token_ids: Any, prefix: int | None) -> int:
+        return 7  # every block collides: R10's tokens tell them apart
+
+    bm = BlockManager(num_blocks=16, block_size=4, hash_fn=one_hash)
+    sched = _scheduler(16, 4, bm=bm)
+    first = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9], block_size=4)
+    other = Sequence([11, 12, 13, 14, 15, 16, 17, 18, 19], block_size=4)  # same hashes
+    same = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 10], block_size=4)  # same blocks as first
+    for seq in (first, other, same):
+        sched.add(seq)
+    # first computes blocks [1..4], [5..8] (keys (7, those tokens)); other's blocks share
+    # the hash but not the tokens, so it runs now; same's are first's, so it waits (S5).
+    assert sched.schedule() == ([first, other], True)
+    assert list(sched.waiting) == [same]
+
+
+# --------------------------------------------------------------------------------------------
+# Steps are all-prefill or all-decode unless mixed_steps is asked for (S2; S2m is opt-in):
+# kills scheduler_state.xǁSchedulerStateǁ__init____mutmut_2 (mixed_steps on by default).
+# --------------------------------------------------------------------------------------------
+
+
+def test_by_default_a_waiting_prefill_runs_alone_while_a_sequence_decodes() -> None:
+    sched = _scheduler(16, 4)
+    decoding = Sequence([1, 2, 3, 4, 5], block_size=4)
+    sched.add(decoding)
+    assert sched.schedule() == ([decoding], True)
+    sched.postprocess([decoding], [6], True)
+    late = Sequence([9, 9, 9, 9, 9, 9], block_size=4)
+    sched.add(late)
+    assert sched.schedule() == ([late], True)  # mixed steps would take [decoding, late]
