@@ -8,6 +8,7 @@ recomputed with the code under test.
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -239,3 +240,40 @@ def test_a_forked_run_reports_the_mutants_exit_status_or_none_past_the_timeout()
         return 0
 
     assert mutation_recheck._run_forked("m", [], 0.3, hangs, None) is None
+
+
+def test_the_selected_tests_that_patch_a_mutated_file_are_left_out_of_mutation_runs() -> None:
+    """mutmut runs its test selection inside mutants/, where each mutated file is its
+    trampolined copy: a patch mutant of one no longer applies there (StaleMutant), and
+    mutmut's clean run fails before any mutant runs. So every selected test that builds a
+    patch mutant of the allocator carries the ``source_patch`` marker, which
+    ``[tool.mutmut]``'s ``-m`` leaves out."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (CI's)
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    args = config["pytest_add_cli_args"]
+    assert "not source_patch" in args[args.index("-m") + 1]
+    patches = {p.stem for p in (root / "tests" / "allocator_mutants").glob("*.diff")}
+    files: list[Path] = []
+    for entry in config["pytest_add_cli_args_test_selection"]:
+        path = root / entry
+        files += sorted(path.glob("*.py")) if path.is_dir() else [path]
+    marked: list[str] = []
+    unmarked: list[str] = []
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test"):
+                continue
+            built = {
+                call.args[0].value
+                for call in ast.walk(node)
+                if isinstance(call, ast.Call)
+                and ast.unparse(call.func).endswith("allocator_mutants.allocator")
+                and call.args
+                and isinstance(call.args[0], ast.Constant)
+            }
+            if built & patches:
+                has_marker = any("source_patch" in ast.unparse(d) for d in node.decorator_list)
+                (marked if has_marker else unmarked).append(f"{file.name}::{node.name}")
+    assert unmarked == []
+    assert "test_invariants.py::test_the_memo_keyed_without_the_length_is_caught" in marked
