@@ -242,18 +242,32 @@ def test_a_forked_run_reports_the_mutants_exit_status_or_none_past_the_timeout()
     assert mutation_recheck._run_forked("m", [], 0.3, hangs, None) is None
 
 
+def _builds_a_patch_mutant(call: ast.Call, patches: set[str]) -> bool:
+    """Whether ``call`` patches a copy of the product's sources: the patch helpers
+    themselves, or a mutant factory (``allocator_mutants.allocator``,
+    ``scheduler_mutants.build``) given a patch mutant's name, or a name it cannot read."""
+    func = ast.unparse(call.func)
+    if func.rsplit(".", 1)[-1] in ("patched_copy", "patched_modules", "from_patch"):
+        return True
+    if not func.endswith(("allocator_mutants.allocator", "scheduler_mutants.build")):
+        return False
+    name = call.args[0] if call.args else None
+    return not isinstance(name, ast.Constant) or name.value in patches
+
+
 def test_the_selected_tests_that_patch_a_mutated_file_are_left_out_of_mutation_runs() -> None:
     """mutmut runs its test selection inside mutants/, where each mutated file is its
     trampolined copy: a patch mutant of one no longer applies there (StaleMutant), and
     mutmut's clean run fails before any mutant runs. So every selected test that builds a
-    patch mutant of the allocator carries the ``source_patch`` marker, which
-    ``[tool.mutmut]``'s ``-m`` leaves out."""
+    patch mutant (of the allocator or the scheduler) carries the ``source_patch`` marker,
+    which ``[tool.mutmut]``'s ``-m`` leaves out."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (CI's)
     root = Path(__file__).resolve().parent.parent
     config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
     args = config["pytest_add_cli_args"]
     assert "not source_patch" in args[args.index("-m") + 1]
     patches = {p.stem for p in (root / "tests" / "allocator_mutants").glob("*.diff")}
+    patches |= {p.stem for p in (root / "tests" / "scheduler_mutants").glob("*.patch")}
     files: list[Path] = []
     for entry in config["pytest_add_cli_args_test_selection"]:
         path = root / entry
@@ -264,15 +278,8 @@ def test_the_selected_tests_that_patch_a_mutated_file_are_left_out_of_mutation_r
         for node in ast.walk(ast.parse(file.read_text())):
             if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test"):
                 continue
-            built = {
-                call.args[0].value
-                for call in ast.walk(node)
-                if isinstance(call, ast.Call)
-                and ast.unparse(call.func).endswith("allocator_mutants.allocator")
-                and call.args
-                and isinstance(call.args[0], ast.Constant)
-            }
-            if built & patches:
+            calls = [c for c in ast.walk(node) if isinstance(c, ast.Call)]
+            if any(_builds_a_patch_mutant(c, patches) for c in calls):
                 has_marker = any("source_patch" in ast.unparse(d) for d in node.decorator_list)
                 (marked if has_marker else unmarked).append(f"{file.name}::{node.name}")
     assert unmarked == []
