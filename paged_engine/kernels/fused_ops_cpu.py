@@ -37,6 +37,7 @@ from paged_engine.kernels.fused_ops_entry import (
     run_add_rms_norm,
     run_qk_norm_rope,
     run_silu_and_mul,
+    tokens_overlap,
 )
 
 __all__ = ["DTYPES", "MAX_COLS", "PARALLEL_MIN_ELEMENTS", "add_rms_norm_cpu", "compiled"]
@@ -211,7 +212,7 @@ def qk_norm_rope_cpu_(
             f"shape {tuple(qk.shape)} strides {qk.stride()}"
         )
     tokens, heads, d = qk.shape
-    if tokens > 1 and qk.stride(0) < heads * d:
+    if tokens_overlap(qk):
         raise ValueError(
             f"{what}: qk's tokens overlap: token stride {qk.stride(0)} is under heads * "
             f"head_dim = {heads * d}"

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 
 __all__ = ["DTYPES", "PARALLEL_MIN_ELEMENTS", "run_add_rms_norm", "run_qk_norm_rope"]
-__all__ += ["run_silu_and_mul"]
+__all__ += ["run_silu_and_mul", "tokens_overlap"]
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """The dtypes the kernels take, with the code the C entry points read."""
@@ -61,6 +61,14 @@ def run_add_rms_norm(
             _threads(rows * n),
             level,
         )
+
+
+def tokens_overlap(qk: torch.Tensor) -> bool:
+    """Whether two tokens of ``qk`` ``[tokens, heads, head_dim]`` (heads contiguous) share
+    memory (an expanded view): split over threads, the kernel would then write one memory
+    from two. Both callers refuse it, the launcher with a ValueError."""
+    tokens, heads, d = qk.shape
+    return tokens > 1 and qk.stride(0) < heads * d
 
 
 def run_qk_norm_rope(

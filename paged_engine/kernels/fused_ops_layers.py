@@ -39,6 +39,7 @@ from paged_engine.kernels.fused_ops_entry import (
     run_add_rms_norm,
     run_qk_norm_rope,
     run_silu_and_mul,
+    tokens_overlap,
 )
 
 __all__ = ["add_rms_norm_layer", "qk_norm_rope_layer_", "silu_and_mul_layer"]
@@ -118,7 +119,7 @@ def qk_norm_rope_layer_(
     tokens, heads, d = qk.shape
     if qk.stride(2) != 1 or qk.stride(1) != d or d % 2 or not 2 <= d <= MAX_COLS:
         return None
-    if tokens > 1 and qk.stride(0) < heads * d:  # tokens that overlap (an expanded view)
+    if tokens_overlap(qk):
         return None
     if not 0 <= num_q_heads <= heads or (q_weight is None) != (k_weight is None):
         return None
