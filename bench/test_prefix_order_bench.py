@@ -27,6 +27,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -43,7 +44,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 pytestmark = pytest.mark.usefixtures("one_thread")  # bench/conftest.py
 
 
-def layouts(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tensor]]:
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The decode batch: queries, the pool, each prefix's and each sequence's own blocks."""
+
+    q: torch.Tensor  # [BATCH, heads, dim]
+    k: torch.Tensor  # [pool, BLOCK, kv_heads, dim]
+    v: torch.Tensor
+    prefix: torch.Tensor  # [PREFIXES, PREFIX_BLOCKS] block ids
+    own: torch.Tensor  # [BATCH, OWN_BLOCKS] block ids
+
+
+def make_batch(shape: str, dtype: torch.dtype) -> Batch:
+    """The batch, its blocks shuffled over the pool; sequence b reads prefix b % PREFIXES."""
     heads, kv_heads, dim = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     pool = PREFIXES * PREFIX_BLOCKS + BATCH * OWN_BLOCKS
@@ -52,6 +65,25 @@ def layouts(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tens
     prefix = ids[: PREFIXES * PREFIX_BLOCKS].view(PREFIXES, PREFIX_BLOCKS)
     own = ids[PREFIXES * PREFIX_BLOCKS :].view(BATCH, OWN_BLOCKS)
     q = torch.randn(BATCH, heads, dim, generator=gen).to(dtype)
+    return Batch(q, k, v, prefix, own)
+
+
+def kernel_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    """One checked launch of the CPU decode kernel, run again at each call."""
+    query, table = q.contiguous(), table.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    launch = paged_decode_cpu.check_paged_decode_cpu(query, k, v, table, lens)
+    scale = query.shape[-1] ** -0.5
+    return lambda: paged_decode_cpu.run_paged_decode_cpu(
+        launch, query, k, v, table, lens, scale, out
+    )
+
+
+def layouts(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tensor]]:
+    b = make_batch(shape, dtype)
+    q, k, v, prefix, own = b.q, b.k, b.v, b.prefix, b.own
     lens = torch.full((BATCH,), BLOCK * (PREFIX_BLOCKS + OWN_BLOCKS), dtype=torch.int32)
     interleaved = torch.cat([prefix[torch.arange(BATCH) % PREFIXES], own], 1)
     by_prefix = torch.argsort(torch.arange(BATCH) % PREFIXES, stable=True)
@@ -61,16 +93,7 @@ def layouts(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tens
         "one_prefix": (q, interleaved[:1].expand(BATCH, -1)),
     }
 
-    def call(name: str) -> Callable[[], torch.Tensor]:
-        query, table = (t.contiguous() for t in tables[name])
-        table = table.to(torch.int32)
-        out = torch.empty_like(query)
-        launch = paged_decode_cpu.check_paged_decode_cpu(query, k, v, table, lens)
-        return lambda: paged_decode_cpu.run_paged_decode_cpu(
-            launch, query, k, v, table, lens, dim**-0.5, out
-        )
-
-    runs = {name: call(name) for name in tables}
+    runs = {name: kernel_call(query, k, v, table, lens) for name, (query, table) in tables.items()}
     first = runs["interleaved"]().clone()
     assert torch.equal(runs["sorted"]()[torch.argsort(by_prefix)], first)
     return runs
