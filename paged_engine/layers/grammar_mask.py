@@ -28,11 +28,12 @@ def unpack_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     than the logits (a tokenizer smaller than the model's padded vocabulary) allows none of
     the tokens past its end; a wider one is cut."""
     words = bitmask.to(torch.int32).contiguous()
+    device = bitmask.device  # the shifts are made there: no host-to-device copy per step
     if sys.byteorder == "little":  # the bytes of a word, lowest first: a byte per 8 tokens
-        parts, shifts = words.view(torch.uint8), torch.arange(8, dtype=torch.uint8)
+        parts, shifts = words.view(torch.uint8), torch.arange(8, dtype=torch.uint8, device=device)
     else:
-        parts, shifts = words, torch.arange(BITS, dtype=torch.int32)
-    bits = (parts[:, :, None] >> shifts.to(bitmask.device)) & 1  # one byte per token
+        parts, shifts = words, torch.arange(BITS, dtype=torch.int32, device=device)
+    bits = (parts[:, :, None] >> shifts) & 1  # one byte per token
     allowed = bits.reshape(bitmask.shape[0], -1).bool()
     have = allowed.shape[1]
     if have >= width:
