@@ -9,6 +9,9 @@ in tests/equivalent_mutants.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
 from paged_engine.layers.logits_processors import _flat_ids, apply_logits_processors, processes
@@ -105,3 +108,81 @@ def test_logit_bias_is_added_in_float32_under_a_bfloat16_default_dtype() -> None
         )
     assert out.dtype == torch.float32
     assert out.tolist() == [[13421773 * 2.0**-27, 1.5]]
+
+
+# --------------------------------------------------------------------------------------------
+# A row without bad words does not end the bad-words pass: the rows after it still get
+# theirs. Kills logits_processors.x__apply_bad_words__mutmut_11 (``continue`` as ``break``).
+# --------------------------------------------------------------------------------------------
+
+
+def test_bad_words_apply_to_rows_after_a_row_without_any() -> None:
+    params = [
+        SamplingParams(logit_bias={0: 1.0}),  # processed, but has no bad words
+        SamplingParams(bad_words_token_ids=[[2]]),  # a one-token word: always banned
+    ]
+    out = apply_logits_processors(_logits([1.0, 1.0, 1.0], [1.0, 1.0, 1.0]), params, [None] * 2)
+    assert out.tolist() == [[2.0, 1.0, 1.0], [1.0, 1.0, float("-inf")]]
+
+
+# --------------------------------------------------------------------------------------------
+# The allowed_token_ids and bad_words masks follow the logits, not torch's default device.
+# Kills logits_processors.x__apply_allowed__mutmut_8, _12 (the banned-token mask on the
+# default device), _23, _25 (the rows' index there), and x__apply_bad_words__mutmut_43
+# (``dev = None``), _46, _48 (its row index on the default device) and _50, _52 (its token
+# index). Under a meta default device each raises or writes nothing into the CPU logits.
+# --------------------------------------------------------------------------------------------
+
+
+def test_allowed_tokens_and_bad_words_ignore_torchs_default_device() -> None:
+    row = [1.0, 2.0, 3.0, 4.0, 5.0]
+    params = [
+        SamplingParams(allowed_token_ids=[0, 2]),
+        SamplingParams(bad_words_token_ids=[[4, 1], [3]]),  # [4, 1]: after 4, ban 1
+        SamplingParams(),
+    ]
+    logits = _logits(row, row, row)
+    with torch.device("meta"):
+        out = _outcome(
+            lambda: apply_logits_processors(logits, params, [None, History([0], [4]), None])
+        )
+    inf = float("-inf")
+    assert out == [[1.0, inf, 3.0, inf, inf], [1.0, inf, 3.0, inf, 5.0], row]
+
+
+def _outcome(run: Callable[[], torch.Tensor]) -> object:
+    try:
+        return run().tolist()
+    except Exception as exc:  # compared by the caller, not swallowed
+        return type(exc).__name__, str(exc)
+
+
+# --------------------------------------------------------------------------------------------
+# An allowed token or a bad word beyond the vocabulary is refused, naming its field, before
+# any logit changes. Kills logits_processors.x__check_row__mutmut_24, _25 (the field's name
+# in the message changed) and _26 (the allowed_token_ids check skipped: an IndexError from
+# deep inside instead), and the same three for bad_words (_29, _30, _31).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (
+            SamplingParams(allowed_token_ids=[0, 7]),
+            "row 1: allowed_token_ids names token 7, beyond the vocabulary of 3 tokens",
+        ),
+        (
+            SamplingParams(bad_words_token_ids=[[1], [4]]),
+            "row 1: bad_words names token 4, beyond the vocabulary of 3 tokens",
+        ),
+    ],
+    ids=["allowed_token_ids", "bad_words"],
+)
+def test_a_token_beyond_the_vocabulary_is_refused_by_name(
+    params: SamplingParams, message: str
+) -> None:
+    logits = _logits([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+    out = _outcome(lambda: apply_logits_processors(logits, [SamplingParams(), params], [None] * 2))
+    assert out == ("ValueError", message)
+    assert logits.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
