@@ -14,6 +14,7 @@ from paged_engine import SamplingParams
 from paged_engine.engine.outputs import FailedSample
 from paged_engine.layers import sampler as sampler_module
 from paged_engine.layers.sampler import Sampler
+from tests.sampling_draws import draw_rows
 
 VOCAB = 300
 ROWS = 6
@@ -52,7 +53,7 @@ def one_call_per_row(shared_seed: int) -> tuple[list[int], torch.Tensor]:
 
 def test_rows_sharing_a_generator_get_the_tokens_of_one_call_per_row() -> None:
     shared = torch.Generator().manual_seed(3)
-    got = Sampler._sample(logits(), PARAMS, generators(shared)).tolist()
+    got = draw_rows(logits(), PARAMS, generators(shared)).tolist()
     want, state = one_call_per_row(3)
     assert [got[0], got[2], got[3], got[5]] == want
     assert torch.equal(shared.get_state(), state), "the generator advanced by another amount"
@@ -69,7 +70,7 @@ def test_rows_sharing_a_generator_draw_in_one_call(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(sampler_module, "_draw", counted)
     shared = torch.Generator().manual_seed(3)
     gens = generators(shared)
-    Sampler._sample(logits(), PARAMS, gens)
+    draw_rows(logits(), PARAMS, gens)
     assert sorted((n, id(g)) for n, g in calls) == sorted(
         [(4, id(shared)), (1, id(gens[1])), (1, id(None))]
     )
@@ -79,7 +80,7 @@ def test_a_group_call_that_raises_is_redone_row_by_row(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     shared = torch.Generator().manual_seed(3)
-    clean = Sampler._sample(logits(), PARAMS, generators(shared)).tolist()
+    clean = draw_rows(logits(), PARAMS, generators(shared)).tolist()
     real = sampler_module._draw
 
     def no_groups(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

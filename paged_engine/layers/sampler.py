@@ -205,16 +205,6 @@ class Sampler:
                 tokens[_index(drawn, dev)] = picked
         return _finish(tokens, ok, failed)
 
-    @staticmethod
-    def _sample(
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-    ) -> torch.Tensor:
-        """One draw per row (a NaN row draws garbage, never fails)."""
-        probs = probabilities(logits, params)
-        return _draws(probs, generators, list(range(len(params))), {})
-
 
 def _finish(
     tokens: torch.Tensor, ok: torch.Tensor, failed: dict[int, FailedSample]

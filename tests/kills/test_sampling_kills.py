@@ -16,6 +16,7 @@ import torch
 from paged_engine.layers.logits_processors import apply_logits_processors
 from paged_engine.layers.sampler import Sampler, probabilities
 from paged_engine.sampling_params import SamplingParams
+from tests.sampling_draws import draw_rows
 
 # --------------------------------------------------------------------------------------------
 # Logit processors (layers/logits_processors.py). The selection compared whole generations
@@ -206,8 +207,10 @@ def test_a_generator_list_of_another_length_is_refused_by_name() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Torch's default device reaches neither the random draw nor logit_bias: kills
-# sampler.xǁSamplerǁ_sample__mutmut_13 (the picked tokens on the default device) and
+# Torch's default device reaches neither the random draw nor logit_bias. Written against
+# a ``Sampler._sample`` that has since moved to tests/sampling_draws.py (it killed its
+# mutant that put the picked tokens on the default device; ``_draws`` now builds them on
+# the probabilities' device); it still kills
 # logits_processors.x_apply_logits_processors__mutmut_83, _88 (the bias ids, the bias
 # values on it). A meta default device makes the mutants raise: the outcome is compared.
 # --------------------------------------------------------------------------------------------
@@ -225,7 +228,7 @@ def test_random_draws_and_logit_bias_ignore_torchs_default_device() -> None:
     ones = _logits([1.0, 1.0, 1.0])
     biased = SamplingParams(logit_bias={0: 0.5, 2: 2.0})
     with torch.device("meta"):
-        drawn = _outcome(lambda: Sampler._sample(one_hot, [SamplingParams()], [None]).tolist())
+        drawn = _outcome(lambda: draw_rows(one_hot, [SamplingParams()], [None]).tolist())
         bias = _outcome(lambda: apply_logits_processors(ones, [biased], [None]).tolist())
     assert drawn == [1]
     assert bias == [[1.5, 1.0, 3.0]]
@@ -233,8 +236,9 @@ def test_random_draws_and_logit_bias_ignore_torchs_default_device() -> None:
 
 # --------------------------------------------------------------------------------------------
 # Unseeded rows draw the same tokens whether or not seeded rows share their batch (the
-# seeded ones use their own generators): kills sampler.xǁSamplerǁ_sample__mutmut_17
-# (``sel = None``: the unseeded draw over every row, so its noise rows shift).
+# seeded ones use their own generators). Written against an older ``Sampler._sample``
+# (its mutant ``sel = None`` drew the unseeded rows' noise over every row); it now checks
+# ``_draws``' grouping by generator.
 # --------------------------------------------------------------------------------------------
 
 
@@ -243,9 +247,9 @@ def test_seeded_rows_do_not_change_the_unseeded_rows_draws() -> None:
     params = [SamplingParams()] * 5
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        mixed = Sampler._sample(logits, params, [torch.Generator().manual_seed(1)] + [None] * 4)
+        mixed = draw_rows(logits, params, [torch.Generator().manual_seed(1)] + [None] * 4)
         torch.manual_seed(0)
-        alone = Sampler._sample(logits[1:], params[1:], [None] * 4)
+        alone = draw_rows(logits[1:], params[1:], [None] * 4)
     assert mixed[1:].tolist() == alone.tolist()
 
 
