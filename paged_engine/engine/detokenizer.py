@@ -20,10 +20,11 @@ tokenizers without space clean-up); any other tokenizer (anything with ``decode`
 same rule in Python. DecodeStream measures growth in UTF-8 bytes, the Python rule in
 characters: they part only where a decoder rewrites earlier text so that the window's text
 gains characters but not bytes, and DecodeStream then holds back the token the Python rule
-emits (the final text is the same). A decoder whose text for earlier tokens changes with
-later ones has no streamed text that never has to be taken back: there the text from the
-common prefix on is emitted (best effort; DecodeStream refuses, and the Python rule takes
-over).
+emits; from there on the two texts may differ (for such a decoder neither is one decode of
+the whole completion, as the next sentence says). A decoder whose text for earlier tokens
+changes with later ones has no streamed text that never has to be taken back: there the
+text from the common prefix on is emitted (best effort; DecodeStream refuses, and the
+Python rule takes over).
 
 Each token is taken whole or not at all (the state is assigned once its text is known), so
 an exception anywhere leaves a state that the tokens it has seen determine. A completion

@@ -241,8 +241,8 @@ def test_a_refusal_without_a_where_is_the_params_own_unchained() -> None:
 # (``stream_backend(None)``: None) and xǁRequestBuilderǁbuild__mutmut_83
 # (``make_detokenizer(None, ...)``), each of which streams through the Python rule instead.
 # The two rules agree for every decoder whose text for earlier tokens never changes
-# (tests/test_detok_stream.py); they part where a decoder rewrites earlier text into fewer
-# UTF-8 bytes but more characters: DecodeStream compares the texts' lengths in bytes (its
+# (tests/test_detok_stream.py); they part where a decoder rewrites earlier text into more
+# characters but no more UTF-8 bytes: DecodeStream compares the texts' lengths in bytes (its
 # Rust ``String::len``), the Python rule in characters.
 # --------------------------------------------------------------------------------------------
 

@@ -62,8 +62,8 @@ def test_flat_ids_are_row_major_indices_on_the_device_asked_for() -> None:
 # --------------------------------------------------------------------------------------------
 # The min_tokens mask's index tensors follow the logits, not torch's default device (a
 # caller may have set one, e.g. torch.set_default_device). Kills
-# logits_processors.x_apply_logits_processors__mutmut_57, _59 (the row indices on the
-# default device: ``device=None``, ``device=`` dropped), _61 and _63 (the token indices).
+# logits_processors.x_apply_logits_processors__mutmut_59, _61 (the row indices on the
+# default device: ``device=None``, ``device=`` dropped), _63 and _65 (the token indices).
 # With a meta default device such an index writes nothing into CPU logits, silently: the
 # stop ids would stay samplable.
 # --------------------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def test_the_min_tokens_mask_ignores_torchs_default_device() -> None:
 # --------------------------------------------------------------------------------------------
 # logit_bias is added in float32 whatever torch's default dtype (the loader sets it to the
 # model's dtype while it builds a model; a user may set it for a session). Kills
-# logits_processors.x_apply_logits_processors__mutmut_87 (``dtype=None``) and _90
+# logits_processors.x_apply_logits_processors__mutmut_89 (``dtype=None``) and _92
 # (``dtype=`` dropped): the bias tensor in the default dtype.
 # --------------------------------------------------------------------------------------------
 

@@ -211,8 +211,8 @@ def test_a_generator_list_of_another_length_is_refused_by_name() -> None:
 # a ``Sampler._sample`` that has since moved to tests/sampling_draws.py (it killed its
 # mutant that put the picked tokens on the default device; ``_draws`` now builds them on
 # the probabilities' device); it still kills
-# logits_processors.x_apply_logits_processors__mutmut_83, _88 (the bias ids, the bias
-# values on it). A meta default device makes the mutants raise: the outcome is compared.
+# logits_processors.x_apply_logits_processors__mutmut_83, _85 (the bias ids on it) and _90
+# (the bias values). A meta default device makes the mutants raise: the outcome is compared.
 # --------------------------------------------------------------------------------------------
 
 
