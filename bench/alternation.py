@@ -40,3 +40,23 @@ def figures(times: dict[str, list[float]], new: str, old: str) -> dict[str, floa
     out[f"{new}_over_{old}_min"] = min(times[new]) / min(times[old])
     out[f"{new}_over_{old}_median"] = statistics.median(times[new]) / statistics.median(times[old])
     return out
+
+
+def sampled_in_turn(
+    calls: Mapping[str, Callable[[], object]], samples: int, per_sample: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each side's fastest and median sample in seconds per call. A sample is the mean of
+    ``per_sample`` back-to-back calls (for calls too short to time one by one); the sides
+    take turns, in reverse order every other sample, so neither always runs first."""
+    times: dict[str, list[float]] = {side: [] for side in calls}
+    sides = list(calls)
+    for sample in range(samples):
+        for side in sides if sample % 2 else sides[::-1]:
+            start = time.perf_counter()
+            for _ in range(per_sample):
+                calls[side]()
+            times[side].append((time.perf_counter() - start) / per_sample)
+    return (
+        {k: min(v) for k, v in times.items()},
+        {k: statistics.median(v) for k, v in times.items()},
+    )

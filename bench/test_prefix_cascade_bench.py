@@ -27,14 +27,13 @@ this measures whether the parts could pay, not a cascade.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
+from bench.alternation import sampled_in_turn
 from bench.test_prefix_order_bench import (
     BLOCK,
     DTYPES,
@@ -106,16 +105,7 @@ def parts(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
 
 
 def measure(runs: dict[str, Callable[[], object]]) -> dict[str, Any]:
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for sample in range(SAMPLES):
-        for name in names if sample % 2 else names[::-1]:
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                runs[name]()
-            times[name].append((time.perf_counter() - start) / CALLS)
-    mins = {k: min(v) for k, v in times.items()}
-    meds = {k: statistics.median(v) for k, v in times.items()}
+    mins, meds = sampled_in_turn(runs, SAMPLES, CALLS)
     ratios = {}
     for stat, f in (("min", mins), ("median", meds)):
         ratios[f"best_case_over_kernel_{stat}"] = round(

@@ -24,8 +24,6 @@ The outputs of ``interleaved`` and ``sorted`` are checked equal, row for row.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.alternation import sampled_in_turn
 from paged_engine.kernels import paged_decode_cpu
 
 BLOCK, BATCH, PREFIXES, PREFIX_BLOCKS, OWN_BLOCKS = 32, 32, 4, 10, 4
@@ -100,16 +99,7 @@ def layouts(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tens
 
 
 def measure(runs: dict[str, Callable[[], torch.Tensor]]) -> dict[str, Any]:
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for sample in range(SAMPLES):
-        for name in names if sample % 2 else names[::-1]:
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                runs[name]()
-            times[name].append((time.perf_counter() - start) / CALLS)
-    mins = {k: min(v) for k, v in times.items()}
-    meds = {k: statistics.median(v) for k, v in times.items()}
+    mins, meds = sampled_in_turn(runs, SAMPLES, CALLS)
     ratio = {
         f"interleaved_over_{other}_{stat}": round(figs["interleaved"] / figs[other], 3)
         for other in ("sorted", "one_prefix")
