@@ -13,19 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paged_engine.config import EngineConfig
 from paged_engine.engine.inputs import check_request, parse_params, parse_prompt
 from paged_engine.engine.request_builder import RequestBuilder
 from paged_engine.errors import InvalidRequestError
 from paged_engine.sampling_params import SamplingParams
-
-CONFIG = EngineConfig(
-    max_num_batched_tokens=64,
-    max_num_seqs=8,
-    max_model_len=40,
-    kvcache_block_size=4,
-    num_kvcache_blocks=16,
-)
+from tests.test_vocab_validation import CONFIG
 
 
 def _refusal(run: Callable[[], object]) -> tuple[str, str, str, str] | tuple[str, str]:

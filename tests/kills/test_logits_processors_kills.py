@@ -9,8 +9,6 @@ in tests/equivalent_mutants.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from paged_engine.layers.logits_processors import _flat_ids, apply_logits_proces
 from paged_engine.sampling_params import SamplingParams
 from paged_engine.utils.loader import _default_dtype
 from tests.kills.test_sampling_kills import History, _logits
+from tests.outcomes import outcome
 
 # --------------------------------------------------------------------------------------------
 # Which rows need a processor (``processes``): a plain row without history needs none, and a
@@ -143,18 +142,13 @@ def test_allowed_tokens_and_bad_words_ignore_torchs_default_device() -> None:
     ]
     logits = _logits(row, row, row)
     with torch.device("meta"):
-        out = _outcome(
-            lambda: apply_logits_processors(logits, params, [None, History([0], [4]), None])
+        out = outcome(
+            lambda: apply_logits_processors(
+                logits, params, [None, History([0], [4]), None]
+            ).tolist()
         )
     inf = float("-inf")
     assert out == [[1.0, inf, 3.0, inf, inf], [1.0, inf, 3.0, inf, 5.0], row]
-
-
-def _outcome(run: Callable[[], torch.Tensor]) -> object:
-    try:
-        return run().tolist()
-    except Exception as exc:  # compared by the caller, not swallowed
-        return type(exc).__name__, str(exc)
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,6 +177,8 @@ def test_a_token_beyond_the_vocabulary_is_refused_by_name(
     params: SamplingParams, message: str
 ) -> None:
     logits = _logits([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
-    out = _outcome(lambda: apply_logits_processors(logits, [SamplingParams(), params], [None] * 2))
+    out = outcome(
+        lambda: apply_logits_processors(logits, [SamplingParams(), params], [None] * 2).tolist()
+    )
     assert out == ("ValueError", message)
     assert logits.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]

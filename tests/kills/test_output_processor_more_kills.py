@@ -16,7 +16,6 @@ AssertionError.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from paged_engine.engine.llm_engine import LLMEngine
@@ -25,17 +24,9 @@ from paged_engine.engine.scheduler import Scheduler
 from paged_engine.engine.sequence import Sequence
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.kills.test_output_processor_kills import _engine, _stream
+from tests.outcomes import outcome
 
 LONG: dict[str, Any] = {"ignore_eos": True}
-
-
-def _outcome(run: Callable[[], Any]) -> Any:
-    """What ``run`` returns, or the type and message of the exception it raises (compared
-    by the caller, so that a crash is a wrong answer)."""
-    try:
-        return run()
-    except Exception as exc:
-        return (type(exc).__name__, str(exc))
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,7 +52,7 @@ def test_delta_outputs_of_two_requests_in_one_step_each_hold_only_their_new_toke
             )
         return steps
 
-    assert _outcome(run) == [
+    assert outcome(run) == [
         [("x", [3], "a"), ("y", [4], " ")],
         [("x", [4], " "), ("y", [3], "a")],
     ]
@@ -87,7 +78,7 @@ def test_final_only_reports_an_n2_request_once_when_its_last_completion_ends() -
             [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in step] for step in steps
         ]
 
-    assert _outcome(run) == [[], [], [[([4], "stop"), ([3, 3, 3], "length")]]]
+    assert outcome(run) == [[], [], [[([4], "stop"), ([3, 3, 3], "length")]]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +95,7 @@ def test_a_one_token_prompts_prompt_logprobs_are_one_none() -> None:
         (out,) = engine.step()
         return out.finished, out.prompt_logprobs
 
-    assert _outcome(run) == (True, [None])
+    assert outcome(run) == (True, [None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +127,7 @@ def test_an_add_request_that_fails_halfway_leaves_nothing_and_raises_the_failure
     def add() -> Any:
         engine.add_request("r", [3], SamplingParams(n=2, max_tokens=1, **LONG))
 
-    assert _outcome(add) == ("RuntimeError", "the scheduler's add failed")
+    assert outcome(add) == ("RuntimeError", "the scheduler's add failed")
     assert engine.has_unfinished_requests() is False
     assert engine.output_processor.completion_of == {}
     assert list(engine.scheduler.waiting) == []
@@ -206,7 +197,7 @@ def test_a_stop_strings_cut_survives_an_interruption_after_it(monkeypatch: Any) 
         (out,) = steps[-1]
         return [(c.text, c.finish_reason, c.stop_reason) for c in out.outputs], out.finished
 
-    assert _outcome(run) == ([("a", "stop", " ")], True)
+    assert outcome(run) == ([("a", "stop", " ")], True)
 
 
 def test_an_interruption_does_not_search_text_from_before_min_tokens_again(
@@ -222,4 +213,4 @@ def test_an_interruption_does_not_search_text_from_before_min_tokens_again(
         (out,) = steps[-1]
         return [(c.text, c.finish_reason, c.stop_reason) for c in out.outputs], out.finished
 
-    assert _outcome(run) == ([(" a", "length", None)], True)
+    assert outcome(run) == ([(" a", "length", None)], True)

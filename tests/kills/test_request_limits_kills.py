@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -26,17 +26,10 @@ from paged_engine.engine.inputs import check_request
 from paged_engine.engine.request_limits import logprobs_bound, tokenize_bad_words
 from paged_engine.errors import InvalidRequestError
 from paged_engine.sampling_params import SamplingParams
+from tests.outcomes import outcome
 
 TOKENS = [1, 2, 3]
 INT64_MAX = 9223372036854775807  # 2**63 - 1, written out
-
-
-def _outcome(run: Callable[[], object]) -> object:
-    """What ``run`` returns, or the type and message of what it raises."""
-    try:
-        return run()
-    except Exception as exc:
-        return (type(exc).__name__, str(exc))
 
 
 def _config(max_logprobs: int) -> EngineConfig:
@@ -60,7 +53,7 @@ def _check(params: SamplingParams, max_logprobs: int = 20, vocab_size: int | Non
         )
         return "ok"
 
-    return _outcome(run)
+    return outcome(run)
 
 
 def _refused(field: str, k: int, most: int, bound: str) -> tuple[str, str]:
@@ -109,7 +102,7 @@ def test_max_logprobs_minus_one_without_a_vocabulary_bounds_at_the_largest_int64
 
 
 def test_max_logprobs_minus_one_with_a_vocabulary_is_bounded_by_the_vocabulary() -> None:
-    assert _outcome(lambda: logprobs_bound(-1, 768)) == (768, "the vocabulary size")
+    assert outcome(lambda: logprobs_bound(-1, 768)) == (768, "the vocabulary size")
     assert _check(SamplingParams(logprobs=768), max_logprobs=-1, vocab_size=768) == "ok"
     assert _check(SamplingParams(logprobs=769), max_logprobs=-1, vocab_size=768) == _refused(
         "logprobs", 769, 768, "the vocabulary size"
@@ -191,7 +184,7 @@ class _OpaqueTokenizer:
 
 
 def test_bad_words_are_tokenized_through_an_encode_without_a_readable_signature() -> None:
-    words = _outcome(lambda: tokenize_bad_words(["  ab"], _OpaqueTokenizer()))
+    words = outcome(lambda: tokenize_bad_words(["  ab"], _OpaqueTokenizer()))
     assert words == ((97, 98), (32, 97, 98))
 
 
@@ -322,7 +315,7 @@ def _word_level() -> Any:
 def test_no_stream_backend_without_decode_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     tok = _word_level()
     monkeypatch.setitem(sys.modules, "tokenizers.decoders", types.ModuleType("tokenizers.decoders"))
-    assert _outcome(lambda: stream_backend(tok)) is None
+    assert outcome(lambda: stream_backend(tok)) is None
 
 
 class _Wrapper:
@@ -349,5 +342,5 @@ class _EncodeOnly:
 
 
 def test_no_stream_backend_for_a_tokenizer_it_cannot_vouch_for() -> None:
-    assert _outcome(lambda: stream_backend(_Wrapper())) is None
-    assert _outcome(lambda: stream_backend(_EncodeOnly())) is None
+    assert outcome(lambda: stream_backend(_Wrapper())) is None
+    assert outcome(lambda: stream_backend(_EncodeOnly())) is None

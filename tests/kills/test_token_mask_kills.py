@@ -12,9 +12,6 @@ written out by hand from those rules, never computed by the code under test.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 
@@ -22,15 +19,9 @@ from paged_engine.engine.outputs import FailedSample
 from paged_engine.layers import sampler as sampler_module
 from paged_engine.layers.sampler import Sampler
 from paged_engine.sampling_params import SamplingParams
+from tests.outcomes import outcome
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def _outcome(run: Callable[[], Any]) -> Any:
-    try:
-        return run()
-    except Exception as exc:  # compared by the caller, not swallowed
-        return type(exc).__name__
 
 
 def _batch() -> tuple[torch.Tensor, tuple[torch.Tensor, list[int]]]:
@@ -85,7 +76,7 @@ def test_a_masked_row_that_is_not_finite_gets_none_even_where_the_mask_hides_it(
 def test_the_mask_path_ignores_torchs_default_device() -> None:
     logits, mask = _batch()
     with torch.device("meta"):
-        tokens = _outcome(lambda: Sampler()(logits, [GREEDY] * 3, [None] * 3, token_mask=mask))
+        tokens = outcome(lambda: Sampler()(logits, [GREEDY] * 3, [None] * 3, token_mask=mask))
     assert tokens == [2, 3, None]
 
 
@@ -99,7 +90,7 @@ def test_the_mask_path_ignores_torchs_default_device() -> None:
 def test_a_mask_of_no_rows_changes_nothing() -> None:
     logits, _ = _batch()
     empty = (torch.zeros(0, 1, dtype=torch.int32), [])
-    assert _outcome(lambda: Sampler()(logits, [GREEDY] * 3, [None] * 3, token_mask=empty)) == [
+    assert outcome(lambda: Sampler()(logits, [GREEDY] * 3, [None] * 3, token_mask=empty)) == [
         5,
         3,
         6,
@@ -131,7 +122,7 @@ def test_the_row_by_row_retry_ignores_torchs_default_device(
 
     monkeypatch.setattr(sampler_module, "probabilities", faulty)
     with torch.device("meta"):
-        tokens = _outcome(lambda: Sampler()(logits, params, [None] * 3))
+        tokens = outcome(lambda: Sampler()(logits, params, [None] * 3))
     assert isinstance(tokens, list) and len(tokens) == 3
     assert [tokens[0], tokens[2]] == [11, 33]
     assert isinstance(tokens[1], FailedSample) and "injected fault" in tokens[1].reason
