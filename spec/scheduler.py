@@ -248,9 +248,7 @@ class Scheduler:
 
     # ---- S8, S9: applying a step's results ---------------------------------------------
 
-    def postprocess(
-        self, batch: list[SpecRequest], results: list[Result], is_prefill: bool
-    ) -> list[SpecRequest]:
+    def postprocess(self, batch: list[SpecRequest], results: list[Result]) -> list[SpecRequest]:
         """S8: register the blocks the step filled (R8), advance, sample; S9: stop.
         Returns the sequences finished now (also appended to ``finished``)."""
         finished = []

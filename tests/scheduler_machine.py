@@ -340,7 +340,7 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
             )
             self._check_batch(*batches[0])
             self._same_state()
-            batch, is_prefill = scheduled[0][1]
+            batch, _ = scheduled[0][1]
             results = [self._result(s) for s in batch]  # the engine's, in the engine's types
             fed = ([spec_result(r) for r in results], results)
 
@@ -348,7 +348,7 @@ def make_machine(scheduler_cls: type[Scheduler] = Scheduler) -> type[RuleBasedSt
                 if faults:
                     faults[side].tick("the model")
                 sched = sides[side]
-                done = sched.postprocess(scheduled[side][1][0], fed[side], is_prefill)
+                done = sched.postprocess(scheduled[side][1][0], fed[side])
                 return self._names(done)
 
             done = [_outcome(lambda i=i: finish(i)) for i in (0, 1)]

@@ -47,11 +47,11 @@ class PreemptWithoutRelease(Scheduler):
 class NoHashAfterChunk(Scheduler):
     """Prefill chunks are computed but their full blocks are never registered (R8)."""
 
-    def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
-        if is_prefill:
+    def postprocess(self, seqs: list[Sequence], token_ids: Any) -> list[Sequence]:
+        if any(seq.is_prefill for seq in seqs):
             with _doing_nothing(self.block_manager, "hash_blocks"):
-                return super().postprocess(seqs, token_ids, is_prefill)
-        return super().postprocess(seqs, token_ids, is_prefill)
+                return super().postprocess(seqs, token_ids)
+        return super().postprocess(seqs, token_ids)
 
 
 class AdmitPastTokenBudget(Scheduler):
@@ -226,10 +226,8 @@ class RecoverToBack(Scheduler):
 class OutputTokensCountFailures(Scheduler):
     """S12: a failed sample counts as an output token (none was appended)."""
 
-    def postprocess(
-        self, seqs: list[Sequence], token_ids: Sequence_[Any], is_prefill: bool
-    ) -> list[Sequence]:
-        finished = super().postprocess(seqs, token_ids, is_prefill)
+    def postprocess(self, seqs: list[Sequence], token_ids: Sequence_[Any]) -> list[Sequence]:
+        finished = super().postprocess(seqs, token_ids)
         failed = [s for s, t in zip(seqs, token_ids, strict=True) if isinstance(t, FailedSample)]
         self.stats.output_tokens += sum(s.seq_id in self.errors for s in failed)
         return finished

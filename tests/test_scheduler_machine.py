@@ -62,7 +62,7 @@ def drive(
             batch, is_prefill = sched.schedule()
             assert is_prefill
             batches.append([(names[id(s)], s.num_scheduled_tokens) for s in batch])
-            sched.postprocess(batch, [7] * len(batch), is_prefill)
+            sched.postprocess(batch, [7] * len(batch))
         assert sched.is_finished(), "a wave did not drain in 10 steps"
     return batches, {names[id(s)]: s.num_prefix_hit_tokens for s in seqs}
 

@@ -117,12 +117,12 @@ def test_the_spec_refuses_the_engine_marker_untranslated() -> None:
     )
     seq = SpecRequest([1, 2, 3], 2, seq_id="s", max_tokens=2)
     sched.add(seq)
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     with pytest.raises(RuntimeError, match="the model returned FailedSample"):
-        sched.postprocess(batch, [FailedSample("nan")], is_prefill)  # type: ignore[list-item]
+        sched.postprocess(batch, [FailedSample("nan")])  # type: ignore[list-item]
     sched.recover()
-    batch, is_prefill = sched.schedule()
-    assert sched.postprocess(batch, [SpecFailedSample("nan")], is_prefill) == [seq]
+    batch, _ = sched.schedule()
+    assert sched.postprocess(batch, [SpecFailedSample("nan")]) == [seq]
     assert (sched.finish_reason(seq), sched.stop_reason(seq)) == ("error", "nan")
 
 

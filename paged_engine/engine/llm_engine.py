@@ -202,7 +202,7 @@ class LLMEngine:
                 results = self.model_runner.run(seqs, is_prefill)
                 tokens = out.store_logprobs(seqs, results)
                 out.stage_step(seqs, tokens, report_running)
-                sched.postprocess(seqs, tokens, is_prefill)
+                sched.postprocess(seqs, tokens)
             except BaseException:
                 self._settle()
                 raise

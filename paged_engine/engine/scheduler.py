@@ -125,7 +125,6 @@ class Scheduler(PrefillAdmission, DecodeWithPreemption):
         self,
         seqs: list[Sequence],
         token_ids: Sequence_[int | FailedSample | None],
-        is_prefill: bool,
     ) -> list[Sequence]:
         """S8: register full blocks (R8), advance counters, append sampled tokens; S9:
         apply stop conditions, release finished sequences (also kept in ``finished``

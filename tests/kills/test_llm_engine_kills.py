@@ -169,8 +169,8 @@ def test_the_detokenizer_keeps_the_requests_skip_special_tokens(skip: bool) -> N
 
 # --------------------------------------------------------------------------------------------
 # step() after a postprocess that raised halfway: the sequences it committed are still
-# news for the next step() (kills _step__mutmut_35, their results recorded with
-# report_running None).
+# news for the next step() (kills _step__mutmut_16, `stage_step(seqs, tokens, None)`: their
+# results recorded with report_running None).
 # --------------------------------------------------------------------------------------------
 
 

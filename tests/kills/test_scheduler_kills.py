@@ -121,7 +121,7 @@ def test_recover_forgets_the_reason_of_a_sample_it_undoes() -> None:
     batch, is_prefill = sched.schedule()
     assert batch == [seq] and is_prefill
     try:
-        sched.postprocess(batch, [FailedSample("logits are not finite")], is_prefill)
+        sched.postprocess(batch, [FailedSample("logits are not finite")])
     except MemoryError:
         pass
     else:
@@ -130,9 +130,9 @@ def test_recover_forgets_the_reason_of_a_sample_it_undoes() -> None:
     assert seq.status is SequenceStatus.WAITING
     assert sched.errors == {}
     # Rerun, it samples a token: its finish reason is its own, not the undone failure's.
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     assert batch == [seq]
-    sched.postprocess(batch, [7], is_prefill)
+    sched.postprocess(batch, [7])
     assert seq.status is SequenceStatus.FINISHED
     assert sched.finish_reason(seq) == "length"
 
@@ -185,7 +185,7 @@ def test_a_second_schedule_before_postprocess_is_refused_by_name() -> None:
     sched = _scheduler(8, 4)
     seq = Sequence([1, 2, 3], block_size=4)
     sched.add(seq)
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     before = (list(sched.running), list(sched.waiting), seq.num_scheduled_tokens, seq.block_table)
     assert _outcome(sched.schedule) == (
         RuntimeError,
@@ -197,7 +197,7 @@ def test_a_second_schedule_before_postprocess_is_refused_by_name() -> None:
         seq.num_scheduled_tokens,
         seq.block_table,
     ) == (before)
-    sched.postprocess(batch, [5], is_prefill)  # the step it refused to replace goes on
+    sched.postprocess(batch, [5])  # the step it refused to replace goes on
     assert seq.token_ids == [1, 2, 3, 5]
 
 
@@ -239,9 +239,9 @@ def test_a_preemption_that_raises_leaves_both_sequences_whole() -> None:
     sched.add(a)
     sched.add(b)
     for _ in range(2):  # a prefill, then a decode: every token takes a block, 4 in all
-        batch, is_prefill = sched.schedule()
+        batch, _ = sched.schedule()
         assert batch == [a, b]
-        sched.postprocess(batch, [7, 7], is_prefill)
+        sched.postprocess(batch, [7, 7])
     assert bm.num_free_blocks == 0
     bm.armed = True  # a needs a block: b, the newest, is preempted, and that raises
     assert _outcome(sched.schedule) == (MemoryError, "injected")
@@ -261,9 +261,9 @@ def test_too_few_tokens_for_the_batch_raise_and_recover_undoes_the_rest() -> Non
     a, b = Sequence([1, 2], block_size=4), Sequence([3, 4], block_size=4)
     sched.add(a)
     sched.add(b)
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     assert batch == [a, b]
-    got = _outcome(sched.postprocess, batch, [5], is_prefill)
+    got = _outcome(sched.postprocess, batch, [5])
     assert got == (ValueError, "zip() argument 2 is shorter than argument 1")
     assert a.token_ids == [1, 2, 5]  # committed before the shortfall showed
     assert sched.recover() == [b]
@@ -292,19 +292,19 @@ def _one_prefilled(stop: tuple[int, ...] = ()) -> tuple[Scheduler, Sequence, lis
 
 def test_an_int_subclass_token_is_appended_as_a_plain_int_and_can_stop() -> None:
     sched, seq, batch = _one_prefilled(stop=(9,))
-    assert _outcome(sched.postprocess, batch, [TokenId(9)], True) == [seq]
+    assert _outcome(sched.postprocess, batch, [TokenId(9)]) == [seq]
     assert seq.token_ids == [1, 2, 3, 9] and type(seq.token_ids[-1]) is int
     assert seq.status is SequenceStatus.FINISHED
     assert sched.finish_reason(seq) == "stop"
     sched, seq, batch = _one_prefilled(stop=(9,))
-    assert _outcome(sched.postprocess, batch, [TokenId(8)], True) == []
+    assert _outcome(sched.postprocess, batch, [TokenId(8)]) == []
     assert seq.token_ids == [1, 2, 3, 8] and seq.status is SequenceStatus.RUNNING
 
 
 def test_a_bool_or_none_token_is_refused_by_name_and_recover_undoes_the_step() -> None:
     for bad in (True, None):
         sched, seq, batch = _one_prefilled()
-        got = _outcome(sched.postprocess, batch, [bad], True)
+        got = _outcome(sched.postprocess, batch, [bad])
         assert got == (
             RuntimeError,
             f"the model runner returned {bad!r} for {seq}, which samples in this step",
@@ -349,7 +349,7 @@ def test_by_default_a_waiting_prefill_runs_alone_while_a_sequence_decodes() -> N
     decoding = Sequence([1, 2, 3, 4, 5], block_size=4)
     sched.add(decoding)
     assert sched.schedule() == ([decoding], True)
-    sched.postprocess([decoding], [6], True)
+    sched.postprocess([decoding], [6])
     late = Sequence([9, 9, 9, 9, 9, 9], block_size=4)
     sched.add(late)
     assert sched.schedule() == ([late], True)  # mixed steps would take [decoding, late]

@@ -209,7 +209,7 @@ def test_a_result_that_is_no_token_is_refused_by_name() -> None:
         max_model_len=16,
     )
     sched.add(SpecRequest([1, 2, 3], 4, seq_id="s"))
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     with pytest.raises(RuntimeError) as caught:
-        sched.postprocess(batch, ["x"], is_prefill)  # type: ignore[list-item]
+        sched.postprocess(batch, ["x"])  # type: ignore[list-item]
     assert str(caught.value) == "the model returned 'x' for a sampling sequence"

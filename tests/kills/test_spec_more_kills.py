@@ -147,8 +147,8 @@ def test_blocks_a_continuing_chunk_completes_defer_a_request_that_shares_them() 
     sched = _scheduler(BlockManager(num_blocks=16, block_size=2), budget=4)
     long = SpecRequest([1, 2, 3, 4, 5, 6, 7], 2, seq_id="long")
     sched.add(long)
-    batch, is_prefill = sched.schedule()
-    sched.postprocess(batch, [None], is_prefill)  # blocks 0 and 1 computed and registered
+    batch, _ = sched.schedule()
+    sched.postprocess(batch, [None])  # blocks 0 and 1 computed and registered
     sharing = SpecRequest([1, 2, 3, 4, 5, 6, 8, 9], 2, seq_id="sharing")
     sched.add(sharing)
     # long's chunk completes block 2 (5, 6), sharing's first miss: sharing waits a step.
@@ -179,9 +179,9 @@ def test_a_block_computed_in_an_earlier_step_is_not_waited_for() -> None:
     sched = _scheduler(bm, budget=4)
     long = SpecRequest([1, 2, 3, 4, 5, 6, 7], 2, seq_id="long")
     sched.add(long)
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     assert _names(batch) == ["long"] and long.num_scheduled_tokens == 4
-    sched.postprocess(batch, [None], is_prefill)  # blocks 0 (1, 2) and 1 (3, 4) registered
+    sched.postprocess(batch, [None])  # blocks 0 (1, 2) and 1 (3, 4) registered
     assert bm.hash_to_block == {7: long.block_table[1]}  # block 0's entry overwritten
     late = SpecRequest([1, 2, 8, 9, 10], 2, seq_id="late")
     sched.add(late)
@@ -226,11 +226,11 @@ def test_two_deferred_requests_are_each_considered_once() -> None:
     two = SpecRequest([1, 2, 3, 4, 5, 6, 7, 8, 11], 4, seq_id="two")  # first completes 0, 1
     for seq in (first, one, two):
         sched.add(seq)
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     assert _names(batch) == ["first"]
     assert _names(sched.waiting) == ["one", "two"]
     assert bm.asked == [first, one, two]
-    sched.postprocess(batch, [3], is_prefill)
+    sched.postprocess(batch, [3])
     bm.asked.clear()
     batch, _ = sched.schedule()  # now both hit first's two blocks (R5)
     assert _names(batch) == ["one", "two"]
@@ -249,11 +249,11 @@ def test_is_finished_only_when_nothing_waits_and_nothing_runs() -> None:
     seq = SpecRequest([1, 2, 3], 4, seq_id="s", max_tokens=2)
     sched.add(seq)
     assert not sched.is_finished()  # waiting, nothing running
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     assert not sched.is_finished()  # running, nothing waiting
-    sched.postprocess(batch, [5], is_prefill)
-    batch, is_prefill = sched.schedule()
-    sched.postprocess(batch, [6], is_prefill)  # max_tokens=2 reached
+    sched.postprocess(batch, [5])
+    batch, _ = sched.schedule()
+    sched.postprocess(batch, [6])  # max_tokens=2 reached
     assert seq.status == "finished"
     assert sched.is_finished()
 
@@ -274,9 +274,9 @@ def test_results_of_another_length_than_the_batch_are_refused(results: list[int]
     b = SpecRequest([4, 5, 6], 4, seq_id="b")
     sched.add(a)
     sched.add(b)
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     assert _names(batch) == ["a", "b"]
-    outcome = _outcome(lambda: sched.postprocess(batch, list(results), is_prefill))
+    outcome = _outcome(lambda: sched.postprocess(batch, list(results)))
     assert outcome[0] is ValueError
     unprocessed = [] if len(results) > 2 else ["b"]
     assert _names(sched.recover()) == unprocessed
@@ -309,15 +309,15 @@ def test_recover_forgets_the_error_of_a_failed_sample_it_sends_back() -> None:
     sched = _scheduler(bm)
     seq = SpecRequest([1, 2, 3], 4, seq_id="s", max_tokens=1)
     sched.add(seq)
-    batch, is_prefill = sched.schedule()
+    batch, _ = sched.schedule()
     bm.armed = True  # the failed sample finishes it, and its release raises
-    outcome = _outcome(lambda: sched.postprocess(batch, [SpecFailedSample("nan")], is_prefill))
+    outcome = _outcome(lambda: sched.postprocess(batch, [SpecFailedSample("nan")]))
     assert outcome == (RuntimeError, "injected fault in deallocate")
     assert _names(sched.recover()) == ["s"]
     assert sched.errors == {}
     assert _names(sched.waiting) == ["s"] and seq.status == "waiting"
-    batch, is_prefill = sched.schedule()  # the retried step samples a token this time
-    assert _names(sched.postprocess(batch, [5], is_prefill)) == ["s"]
+    batch, _ = sched.schedule()  # the retried step samples a token this time
+    assert _names(sched.postprocess(batch, [5])) == ["s"]
     assert sched.finish_reason(seq) == "length"
     assert sched.stop_reason(seq) is None
 

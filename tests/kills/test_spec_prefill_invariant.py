@@ -68,7 +68,7 @@ def _drive(seed: int) -> int:
                     "?" if r < 0.05 else SpecFailedSample("x") if r < 0.1 else rng.randrange(5)
                 )
         try:
-            sched.postprocess(batch, results, is_prefill)
+            sched.postprocess(batch, results)
         except RuntimeError:
             sched.recover()
         sched.finished.clear()
