@@ -149,12 +149,14 @@ def test_torch_backend_machine() -> None:
             lane("torch-cascade", cascade, FP16),
         )
     )
-    run_state_machine_as_test(
-        make_machine(config),
-        settings=settings(BASE, max_examples=60, stateful_step_count=40),
-    )
+    hunt = settings(BASE, max_examples=60, stateful_step_count=40)
+    run_state_machine_as_test(make_machine(config), settings=hunt)
     # Decode steps where running sequences shared prefix blocks: the cascade lanes ran them.
-    assert len(cascades) >= 10, f"only {len(cascades)} cascade decode steps were exercised"
+    # A check on the derandomised examples CI replays (the ci profile): under a random seed
+    # (scripts/fuzz.py) how many cascades 60 runs reach is chance (4 with seed 3371993138),
+    # which says nothing about the backends.
+    if hunt.derandomize:
+        assert len(cascades) >= 10, f"only {len(cascades)} cascade decode steps were exercised"
 
 
 @needs_interpreter
