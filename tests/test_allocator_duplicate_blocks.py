@@ -2,10 +2,11 @@
 before either has registered its blocks, so each computes its own copy and the newer copy
 owns the hash's map entry. Reusing the older copy must leave that entry alone.
 
-The lockstep machine (tests/test_mutants.py) finds the mutant that breaks this,
-R2UnguardedDelete, late in its derandomised budget, and whether it finds it there depends
-on the process the hunt runs in: a `pytest -k` selection that ran other tests first missed
-it within 400 examples. This hand-worked case catches it in any order.
+The lockstep machine (tests/test_mutants.py) catches the mutant that breaks this,
+R2UnguardedDelete, late in its derandomised budget (example 265 of 400). Before
+tests/conftest.py kept Hypothesis from drawing constants found in the loaded modules, that
+catch moved with what earlier tests had imported, and a `pytest -k` selection missed it:
+this hand-worked case catches it in any order, with the exact block ids.
 """
 
 from __future__ import annotations
