@@ -3,10 +3,10 @@ before either has registered its blocks, so each computes its own copy and the n
 owns the hash's map entry. Reusing the older copy must leave that entry alone.
 
 The lockstep machine (tests/test_mutants.py) catches the mutant that breaks this,
-R2UnguardedDelete, late in its derandomised budget (example 265 of 400). Before
-tests/conftest.py kept Hypothesis from drawing constants found in the loaded modules, that
-catch moved with what earlier tests had imported, and a `pytest -k` selection missed it:
-this hand-worked case catches it in any order, with the exact block ids.
+R2UnguardedDelete, after 220 of the hunt's test cases. Before tests/conftest.py kept
+Hypothesis from drawing constants found in the loaded modules, that catch moved with what
+earlier tests had imported (example 362 of 400 in a full run), and a `pytest -k` selection
+missed it: this hand-worked case catches it in any order, with the exact block ids.
 """
 
 from __future__ import annotations
