@@ -72,22 +72,19 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
-def _draw_no_local_constants() -> bool:
+def _draw_no_local_constants() -> None:
     """Hypothesis (from 6.131) sometimes draws a constant it found in the source of the
     project's modules loaded at the time (``providers._get_local_constants``), so the
     examples a derandomised run draws depended on which modules earlier tests had
     imported: a lockstep hunt caught a mutant at example 362 of 400 in a full run and
     missed it after `pytest -k` had picked other tests to run first (R2UnguardedDelete,
     tests/test_mutants.py). An empty pool makes every derandomised run draw the same
-    examples whatever ran before it (tests/test_hypothesis_setup.py checks it). Returns
-    whether this Hypothesis has the pool to empty."""
+    examples whatever ran before it (tests/test_hypothesis_setup.py checks it). A
+    Hypothesis without the pool is left as it is."""
     from hypothesis.internal.conjecture import providers
 
-    if not hasattr(providers, "_get_local_constants"):
-        return False
-    empty = providers.Constants
-    providers._get_local_constants = lambda: empty()
-    return True
+    if hasattr(providers, "_get_local_constants"):
+        providers._get_local_constants = providers.Constants
 
 
 # The fuzz campaign keeps them: its seeds are random anyway, and the constants find bugs.

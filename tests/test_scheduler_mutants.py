@@ -23,10 +23,13 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from paged_engine.engine.block_manager import BlockManager
+from paged_engine.engine.scheduler import Scheduler
+from paged_engine.engine.sequence import Sequence
 from tests import engine_machine, scheduler_machine
 from tests import scheduler_mutants as m
 from tests.patch_mutants import StaleMutant
-from tests.scheduler_subclass_mutants import SUBCLASSES, ChunkFromPrompt
+from tests.scheduler_subclass_mutants import SUBCLASSES, ChunkFromPrompt, DecodePastTokenBudget
 from tests.test_engine import (
     check_abort_forgets_the_request,
     check_liveness_with_the_smallest_legal_pool,
@@ -47,7 +50,8 @@ LONG_HUNTS = {"DecodePastTokenBudget": 1000}
 each. DecodePastTokenBudget needs more decoding sequences than the token budget allows in
 one step; Hypothesis used to reach that sooner by drawing constants it found in the
 engine's source (tests/conftest.py now stops it, so that the examples are the same in every
-process), and 1,000 examples catch it after 772 test cases."""
+process), and 1,000 examples catch it after 772 test cases. A hand-worked case
+(``test_a_decode_step_keeps_to_the_token_budget``) catches it in three steps."""
 
 
 def hunt(name: str) -> settings:
@@ -64,6 +68,33 @@ def test_the_scheduler_machine_catches(name: str) -> None:
     assert caught.value.__cause__ is None or not str(caught.value).startswith("the engine's "), (
         f"{name} was caught only by crashing: {caught.value.__cause__!r}"
     )
+
+
+def decode_steps_within_the_budget(scheduler_cls: type[Scheduler]) -> None:
+    """S6 by hand, LONG_HUNTS' slow catch in three steps: a budget of 2 tokens prefills
+    three one-token prompts over two steps, then decodes only two of the three."""
+    sched = scheduler_cls(
+        BlockManager(num_blocks=8, block_size=4),
+        num_blocks=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=2,
+        max_model_len=16,
+    )
+    seqs = [Sequence([n], block_size=4) for n in (1, 2, 3)]
+    for seq in seqs:
+        sched.add(seq)
+    steps = []
+    for _ in range(3):
+        batch, is_prefill = sched.schedule()
+        steps.append(([seqs.index(seq) for seq in batch], is_prefill))
+        sched.postprocess(batch, [7] * len(batch))
+    assert steps == [([0, 1], True), ([2], True), ([0, 1], False)]
+
+
+def test_a_decode_step_keeps_to_the_token_budget() -> None:
+    decode_steps_within_the_budget(Scheduler)
+    with pytest.raises(AssertionError):
+        decode_steps_within_the_budget(DecodePastTokenBudget)
 
 
 @pytest.mark.parametrize("name", m.ENGINE_HUNTED)
