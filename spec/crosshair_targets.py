@@ -16,20 +16,21 @@ How CrossHair treats called code shapes this module:
   callee itself is analysed (crosshair.core.ExceptionFilter). From an empty pool that
   never happens, so a ``BlockManager`` bug that breaks a method's own contract would make
   these drivers prune exactly the paths that show it. Every allocator call therefore goes
-  through ``_plain`` (CrossHair's own "do not enforce" wrapper), and the drivers restate
-  the method contracts and R12 themselves. Calls the allocator makes inside, to
-  ``spec.indexing``, stay enforced: those contracts are proved over all paths.
+  through ``crosshair_watch.plain`` (CrossHair's own "do not enforce" wrapper), and the
+  drivers restate the method contracts and R12 themselves (``crosshair_watch.Watch``).
+  Calls the allocator makes inside, to ``spec.indexing``, stay enforced: those contracts
+  are proved over all paths.
 * xxhash is C code CrossHair cannot see into, so the pool uses ``simple_block_hash``.
 * Tokens are never symbolic, and sizes stop being symbolic at once: each is case-split
-  (``_split``: one fork per possible value, then a plain int). Symbolic tokens make
-  every hash-map lookup fork on token values, and CrossHair spends its paths there: with
-  ``list[bool]`` prompts, a deallocate that put freed blocks at the head of the free
-  queue survived 80 paths unnoticed. On concrete sizes a path also runs about three
+  (``crosshair_watch.split``: one fork per possible value, then a plain int). Symbolic
+  tokens make every hash-map lookup fork on token values, and CrossHair spends its paths
+  there: with ``list[bool]`` prompts, a deallocate that put freed blocks at the head of the
+  free queue survived 80 paths unnoticed. On concrete sizes a path also runs about three
   times faster. CrossHair still picks every size and token pattern, so its search is a
   systematic walk of the bounded domain, which it can finish. Prompts are cut from a few
   fixed token patterns over ``{0, 1}`` (``TOKEN_PATTERNS``): few distinct blocks, so many
-  prefix hits, and no hash collisions over such small values, so "hit" and "same
-  tokens" coincide.
+  prefix hits, and no hash collisions over such small values, so "hit" and "same tokens"
+  coincide.
 
 The bounded domains are small (10,800 + 288 inputs, listed by ``*_inputs``), so
 tests/test_crosshair.py also runs every one of them concretely, in about half a second:
@@ -41,31 +42,14 @@ scenarios on a broken allocator; the contracted entry points use the spec's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import product
-from typing import ParamSpec, TypeVar, cast
 
 from spec.block_manager import BlockManager, simple_block_hash
+from spec.crosshair_watch import plain, split, watch
 from spec.indexing import needs_new_block
 from spec.sequence import SpecSequence
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-_no_enforce: Callable[[Callable[..., object]], Callable[..., object]] | None
-try:
-    from crosshair.condition_parser import NoEnforce
-
-    _no_enforce = NoEnforce
-except ImportError:  # without CrossHair nothing enforces contracts anyway
-    _no_enforce = None
-
-
-def _plain(fn: Callable[P, R]) -> Callable[P, R]:
-    """``fn`` with its contracts left unenforced by CrossHair (see the module docstring)."""
-    return fn if _no_enforce is None else cast(Callable[P, R], _no_enforce(fn))
-
 
 # The bounds of the scenarios' domains, shared by their pre: lines, the case splits that
 # make sizes concrete, and the enumeration of every input (``*_inputs``).
@@ -84,77 +68,6 @@ TOKEN_PATTERNS: tuple[tuple[int, ...], ...] = (
     (0, 1, 0, 1, 0, 1),
     (0, 0, 1, 1, 1, 0),
 )
-
-
-@dataclass(slots=True)
-class _Watch:
-    """A pool under observation: every call goes through here and records the rules it
-    broke, by name, once each."""
-
-    bm: BlockManager
-    broken: list[str] = field(default_factory=list)
-
-    def expect(self, ok: bool, rule: str) -> None:
-        if not ok and rule not in self.broken:
-            self.broken.append(rule)
-
-    def invariants(self, seqs: list[SpecSequence]) -> None:
-        """R12, with the holders of every block."""
-        try:
-            _plain(self.bm.check_invariants)(seqs)
-        except AssertionError:
-            self.expect(False, "R12 invariants")
-
-    def admit(self, seq: SpecSequence) -> int | None:
-        """can_allocate, then allocate with its answer (the scheduler's admission)."""
-        hits = _plain(self.bm.can_allocate)(seq)
-        if hits is None:
-            return None
-        self.expect(0 <= hits < seq.num_blocks, "R5 can_allocate range")
-        _plain(self.bm.allocate)(seq, hits)
-        self.expect(len(seq.block_table) == seq.num_blocks, "R6 allocate table")
-        self.expect(seq.num_cached_tokens == hits * self.bm.block_size, "R6 cached tokens")
-        return hits
-
-    def compute(self, seq: SpecSequence, num_tokens: int) -> None:
-        """A step computed ``num_tokens`` tokens of ``seq``: register (R8), advance."""
-        seq.num_scheduled_tokens = num_tokens
-        cached = seq.num_cached_tokens
-        _plain(self.bm.hash_blocks)(seq)
-        self.expect(seq.num_cached_tokens == cached, "R8 hash_blocks counters")
-        seq.num_cached_tokens += num_tokens
-        seq.num_scheduled_tokens = 0
-
-    def release(self, seq: SpecSequence) -> None:
-        """deallocate: table cleared, nothing cached, and the blocks it was the last
-        holder of appended to the free queue's tail, last block first (R3; block ids are
-        part of the contract, FIFO reuse is deterministic)."""
-        freed = [b for b in reversed(seq.block_table) if self.bm.ref_counts[b] == 1]
-        queue = list(self.bm.free_queue)
-        _plain(self.bm.deallocate)(seq)
-        self.expect(seq.block_table == [] and seq.num_cached_tokens == 0, "R3 deallocate")
-        self.expect(self.bm.free_queue == queue + freed, "R3 free queue order")
-
-    def pool_restored(self) -> None:
-        """R3 once every sequence is released: every block free, every ref count zero."""
-        bm = self.bm
-        restored = sorted(bm.free_queue) == list(range(bm.num_blocks)) and not any(bm.ref_counts)
-        self.expect(restored, "R3 pool restored")
-
-
-def _split(value: int, lo: int, hi: int) -> int:
-    """``value`` (``lo <= value <= hi``) as a plain int, by trying each candidate: CrossHair
-    forks once per value and runs the rest of the path on concrete sizes, about three
-    times as many paths per second as on symbolic ones. Outside the bounds (a ``pre:``
-    line and a split that disagree) it raises, which CrossHair reports as an error."""
-    for candidate in range(lo, hi + 1):
-        if value == candidate:
-            return candidate
-    raise ValueError(f"{value} is outside [{lo}, {hi}]")
-
-
-def _watch(make: type[BlockManager], num_blocks: int, block_size: int) -> _Watch:
-    return _Watch(_plain(make)(num_blocks, block_size, hash_fn=simple_block_hash))
 
 
 def _common_full_blocks(a: SpecSequence, b: SpecSequence) -> int:
@@ -185,7 +98,7 @@ def _share(
     second_tokens: list[int],
     release_first: bool,
 ) -> SharingOutcome:
-    w = _watch(make, num_blocks, block_size)
+    w = watch(make, num_blocks, block_size)
     first = SpecSequence(list(first_tokens), block_size)
     second = SpecSequence(list(second_tokens), block_size)
     first_hits = w.admit(first)
@@ -253,11 +166,11 @@ def run_share_prefix(
     release_first: bool,
 ) -> SharingOutcome:
     """``share_prefix`` on allocator class ``make``."""
-    num_blocks = _split(num_blocks, 1, MAX_BLOCKS)
-    block_size = _split(block_size, 1, MAX_BLOCK_SIZE)
-    pattern = _split(pattern, 0, len(TOKEN_PATTERNS) - 1)
-    prompt_len = _split(prompt_len, 1, SHARE_MAX_PROMPT)
-    cut, tail_len = _split(cut, 0, prompt_len), _split(tail_len, 0, SHARE_MAX_TAIL)
+    num_blocks = split(num_blocks, 1, MAX_BLOCKS)
+    block_size = split(block_size, 1, MAX_BLOCK_SIZE)
+    pattern = split(pattern, 0, len(TOKEN_PATTERNS) - 1)
+    prompt_len = split(prompt_len, 1, SHARE_MAX_PROMPT)
+    cut, tail_len = split(cut, 0, prompt_len), split(tail_len, 0, SHARE_MAX_TAIL)
     token = 1 if tail_token else 0  # a branch, so a concrete token (int() would not be)
     prompt = list(TOKEN_PATTERNS[pattern][:prompt_len])
     second = prompt[:cut] + [token] * tail_len
@@ -291,7 +204,7 @@ def _decode(
     chunk: int,
     num_sampled: int,
 ) -> DecodeOutcome:
-    w = _watch(make, num_blocks, block_size)
+    w = watch(make, num_blocks, block_size)
     seq = SpecSequence(list(TOKEN_PATTERNS[2][:prompt_len]), block_size)
     if w.admit(seq) is None:
         w.expect(seq.num_blocks > num_blocks, "R5 admission")
@@ -303,13 +216,13 @@ def _decode(
     decoded = 0
     for step in range(num_sampled):
         seq.token_ids.append(step % 2)  # sampled by the step that computed the last token
-        if not _plain(w.bm.can_append)(seq):
+        if not plain(w.bm.can_append)(seq):
             # R7: refused only when the newest token opens a block and none is free.
             opens = needs_new_block(len(seq), block_size)
             w.expect(opens and not w.bm.free_queue, "R7 can_append")
             seq.token_ids.pop()
             break
-        _plain(w.bm.may_append)(seq)
+        plain(w.bm.may_append)(seq)
         w.expect(len(seq.block_table) == -(-len(seq) // block_size), "R7 may_append table")
         w.compute(seq, 1)
         w.invariants([seq])
@@ -353,10 +266,10 @@ def run_prefill_then_decode(
     num_sampled: int,
 ) -> DecodeOutcome:
     """``prefill_then_decode`` on allocator class ``make``."""
-    num_blocks = _split(num_blocks, 1, MAX_BLOCKS)
-    block_size = _split(block_size, 1, MAX_BLOCK_SIZE)
-    prompt_len = _split(prompt_len, 1, DECODE_MAX_PROMPT)
-    chunk, num_sampled = _split(chunk, 1, prompt_len), _split(num_sampled, 0, DECODE_MAX_SAMPLED)
+    num_blocks = split(num_blocks, 1, MAX_BLOCKS)
+    block_size = split(block_size, 1, MAX_BLOCK_SIZE)
+    prompt_len = split(prompt_len, 1, DECODE_MAX_PROMPT)
+    chunk, num_sampled = split(chunk, 1, prompt_len), split(num_sampled, 0, DECODE_MAX_SAMPLED)
     return _decode(make, num_blocks, block_size, prompt_len, chunk, num_sampled)
 
 

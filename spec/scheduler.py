@@ -1,11 +1,11 @@
 """Reference model of the scheduler: the simplest code that states rules S1-S12.
 
 Each step cites the rule it implements. It runs on the reference allocator
-(spec/block_manager.py) with its own sequences (``SpecRequest``), not the engine's
-``Sequence``: the engine's sequence carries caches and a compact pickled form that are
-optimisations, and the lockstep machine (tests/scheduler_machine.py) should compare two
-states held independently, so that a counter the engine's sequence gets wrong shows up as
-a difference. For the same reason its statistics and its failed-sample marker are its own
+(spec/block_manager.py) with its own sequences (``SpecRequest``, spec/sequence.py), not
+the engine's ``Sequence``: the engine's sequence carries caches and a compact pickled form
+that are optimisations, and the lockstep machine (tests/scheduler_machine.py) should
+compare two states held independently, so that a counter the engine's sequence gets wrong
+shows up as a difference. For the same reason its statistics and its failed-sample marker are its own
 (spec/records.py), compared with the engine's field by field. Speed is no concern (lists,
 linear scans, the hash chain recomputed from block 0); ``paged_engine.engine.scheduler``
 is the fast twin.
@@ -18,58 +18,15 @@ text layer calls ``finish_now``), and ``n`` (the engine adds one sequence per co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from spec.block_manager import BlockManager
 from spec.hashing import salt_block
 from spec.records import SpecFailedSample, SpecSchedulerStats
-from spec.sequence import SpecSequence
+from spec.sequence import SpecRequest
 
 __all__ = ["Result", "Scheduler", "SpecFailedSample", "SpecRequest", "SpecSchedulerStats"]
 
 Result = int | SpecFailedSample | None
 """The model's result for one scheduled sequence (None: a chunk that samples nothing)."""
-
-
-@dataclass(slots=True, eq=False)  # identity: two sequences may hold equal fields
-class SpecRequest(SpecSequence):
-    """One sequence (a completion) as the scheduler sees it: the allocator's fields, its
-    stop parameters (S9), and its place in the queues (S1)."""
-
-    seq_id: str = field(default="", kw_only=True)
-    max_tokens: int | None = field(default=16, kw_only=True)
-    """None: up to ``max_model_len`` (S9)."""
-    ignore_eos: bool = field(default=False, kw_only=True)
-    stop_token_ids: tuple[int, ...] = field(default=(), kw_only=True)
-    num_prompt_tokens: int = field(default=0, init=False)
-    status: str = field(default="waiting", init=False)
-    """"waiting", "running" or "finished" (S1)."""
-    is_prefill: bool = field(default=True, init=False)
-    """Its context is not all computed (S3): a prompt, or a recomputation (S7, S11)."""
-    num_prefix_hit_tokens: int | None = field(default=None, init=False)
-    """Tokens the prefix cache served at its first admission (S12); None until then."""
-
-    def __post_init__(self) -> None:
-        SpecSequence.__post_init__(self)
-        self.num_prompt_tokens = len(self.token_ids)
-
-    def __eq__(self, other: object) -> bool:  # SpecSequence's field-wise == would merge
-        return self is other  # two siblings whose fields agree
-
-    def __hash__(self) -> int:
-        return id(self)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class Scheduler:
