@@ -14,12 +14,14 @@ start-up), so no round is served from an earlier round's cache.
 SPEC (JSON): ``system`` ("paged_engine" or "vllm"), ``model`` (a local HF directory),
 ``dtype``, ``threads``, ``block_size``, ``rounds``, ``kv_cache_gib`` (vLLM's
 ``VLLM_CPU_KVCACHE_SPACE``), ``num_kvcache_blocks`` (paged_engine's pool) and ``requests``
-(``[[prompt_token_ids, max_tokens], ...]``). Per round: wall seconds of the ``generate``
-call, CPU seconds of this process and its children over it (vLLM's engine core does the
-work in a child), time to first token per request from the call's start, and peak RSS
-over the round: each process's VmHWM (reset through ``/proc/PID/clear_refs`` at the start)
-summed over the process tree, an upper bound on the tree's simultaneous peak. Greedy
-tokens of the last round come back too, so the caller can compare the systems.
+(``[[prompt_token_ids, max_tokens], ...]``); optionally ``engine_args``, more keyword
+arguments for paged_engine's ``LLM`` (an A/B of an engine option on this workload). Per
+round: wall seconds of the ``generate`` call, CPU seconds of this process and its children
+over it (vLLM's engine core does the work in a child), time to first token per request from
+the call's start, and peak RSS over the round: each process's VmHWM (reset through
+``/proc/PID/clear_refs`` at the start) summed over the process tree, an upper bound on the
+tree's simultaneous peak. Greedy tokens of the last round come back too, so the caller can
+compare the systems.
 
 paged_engine's side also measures its matmul floor (``bench/floor.py``): the warm-up round
 records each step's rows (it is scheduled exactly as the timed rounds are: same requests,
@@ -113,6 +115,7 @@ def _paged_engine(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             num_threads=spec["threads"],
             kvcache_block_size=spec["block_size"],
             num_kvcache_blocks=spec["num_kvcache_blocks"],
+            **spec.get("engine_args", {}),
         )
 
     holder = {"llm": make()}

@@ -19,7 +19,8 @@ a pass, and a budget too short for any round to finish exits 3).
 
 The machines are the real code's state machines, not the mutant hunts (those are
 derandomised on purpose): the allocator lockstep machine, the engine machine, the
-attention machine's real lanes, and the scheduler lockstep machine.
+attention machine's real lanes (and its mixed-step subclass), and the scheduler lockstep
+machine.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ MACHINES = (
     "tests/test_engine_machine.py",
     "tests/test_attention_machine.py::test_torch_backend_machine",
     "tests/test_attention_machine.py::test_triton_backend_machine_interpreted",
+    "tests/test_attention_machine_mixed.py::test_mixed_steps_machine",
     "tests/test_scheduler_machine.py::TestSchedulerMachine",
 )
 # In a machine file that also hunts mutants, only the real code is fuzzed.
