@@ -67,7 +67,8 @@ class EngineConfig:
     mixed_steps: bool = False
     """Every step decodes the running requests, then fills its token budget with prefill
     chunks (vLLM V1's steps; docs/design.md, S2m), instead of a step being all-prefill or
-    all-decode. Off by default until measured to win (docs/performance.md, "Mixed steps")."""
+    all-decode. Off by default: mixing shortens the inter-token tail while prompts arrive,
+    but on an offline batch it delays first tokens (docs/performance.md, "Mixed steps")."""
     prefix_cache_hash: PrefixCacheHash = "xxh64"
     """The prefix cache's block hash (R4): "xxh64" is R4's formula and the fastest;
     "sha256" keys the cache by full 256-bit digests, so a crafted collision (one block
