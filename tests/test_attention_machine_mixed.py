@@ -81,6 +81,7 @@ class NewestTokenDropped(CpuAttentionBackend):
             self._split = (meta, split)
         return split
 
+
 def test_the_machine_catches_a_broken_split() -> None:
     config = MachineConfig(lanes=(Lane("mutant-newest-token-dropped", NewestTokenDropped, FP32),))
     with pytest.raises(AssertionError, match="differs from naive attention"):
