@@ -1,8 +1,8 @@
 """Mixed steps through the attention machine (tests/attention_machine_mixed.py): the "cpu"
 backend, whose mixed steps run their decode rows on the compiled kernel and their chunks on
 the torch backend (float32, and bfloat16 in every compiled variant), the torch backend
-alongside, each step's every row against the naive oracle; and a broken split the machine
-must catch.
+alongside with and without shared-prefix cascades (its decode rows gathered together), each
+step's every row against the naive oracle; and a broken split the machine must catch.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.layers.attention.cpu import CpuAttentionBackend, _MixedSplit
+from paged_engine.layers.attention import AttentionMetadata, TorchAttentionBackend
+from paged_engine.layers.attention.cpu import CpuAttentionBackend
+from paged_engine.layers.attention.mixed import MixedSplit
 from tests.attention_machine import Lane, MachineConfig
 from tests.attention_machine_mixed import make_mixed_machine
 from tests.test_attention_machine import (
@@ -42,8 +43,8 @@ class SplitCounter(CpuAttentionBackend):
         super().__init__(block_size, dtype)
         self.seen = seen
 
-    def _mixed_split(self, meta: AttentionMetadata) -> _MixedSplit | None:
-        fresh = self._split is None or self._split[0] is not meta
+    def _mixed_split(self, meta: AttentionMetadata) -> MixedSplit | None:
+        fresh = self._mixed_memo is None or self._mixed_memo[0] is not meta
         split = super()._mixed_split(meta)
         if fresh and split is not None:
             self.seen.append(split.rows)
@@ -60,6 +61,11 @@ def test_mixed_steps_machine() -> None:
             for v in BF16_LANE_VARIANTS
         ),
         lane("torch", torch_backend, FP32),
+        Lane(
+            "torch-cascade-fp32",
+            functools.partial(TorchAttentionBackend, shared_prefix_min_tokens=0),
+            FP32,
+        ),
     )
     config = MachineConfig(lanes=lanes, geometries=WITH_RUNS)
     run_state_machine_as_test(make_mixed_machine(config), settings=HUNT)
@@ -72,13 +78,14 @@ class NewestTokenDropped(CpuAttentionBackend):
     each decode attends to everything but its own new token (an off-by-one where the
     lengths are cut out of the step's)."""
 
-    def _mixed_split(self, meta: AttentionMetadata) -> _MixedSplit | None:
-        if self._split is not None and self._split[0] is meta:
-            return self._split[1]
+    def _mixed_split(self, meta: AttentionMetadata) -> MixedSplit | None:
+        if self._mixed_memo is not None and self._mixed_memo[0] is meta:
+            return self._mixed_memo[1]
         split = super()._mixed_split(meta)
         if split is not None:
-            split = replace(split, seq_lens=split.seq_lens - 1)
-            self._split = (meta, split)
+            short = replace(split.decode, seq_lens=split.decode.seq_lens - 1)
+            split = replace(split, decode=short)
+            self._mixed_memo = (meta, split)
         return split
 
 

@@ -1,6 +1,7 @@
-"""The "cpu" backend on a mixed step (S2m: the running sequences' decodes first, then
-prefill chunks): the leading one-token sequences run on the compiled decode kernel, the
-chunks after them on the torch backend, each part with the bits it gets in a step of its
+"""The "cpu" and torch backends on a mixed step (S2m: the running sequences' decodes first,
+then prefill chunks; ``layers.attention.mixed`` cuts it): the leading one-token sequences
+take the decode path (the compiled kernel, or torch's batched gather), the chunks after
+them the torch backend's prefill loop, each part with the bits it gets in a step of its
 own, and the whole within tolerance of the naive oracle (``paged_prefill_attention_ref``,
 which treats a decode row as a one-row chunk).
 
@@ -18,6 +19,7 @@ import torch
 
 from paged_engine.layers.attention import TorchAttentionBackend, make_attention_metadata
 from paged_engine.layers.attention import cpu as cpu_module
+from paged_engine.layers.attention import torch_backend as torch_module
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from tests.kernel_cases import Case, Tensors, assert_close, make_tensors, ref_prefill
 
@@ -63,36 +65,41 @@ def _part(t: Tensors, rows: slice, seqs: slice, seq_lens: list[int], q_lens: lis
     return part, _meta(part, seq_lens[seqs], q_lens[seqs])
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count calls of ``cpu_module.<name>``; each records its first argument's length."""
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str, module: Any = cpu_module) -> list[int]:
+    """Count calls of ``module.<name>``; each records its first argument's length."""
     calls: list[int] = []
-    real = getattr(cpu_module, name)
+    real = getattr(module, name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         first = args[1] if name == "run_paged_decode_cpu" else args[0]
         calls.append(len(first) if isinstance(first, torch.Tensor) else 1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_module, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
+BACKENDS = {"cpu": CpuAttentionBackend, "torch": TorchAttentionBackend}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_leading_decodes_take_the_kernel_and_the_chunks_the_torch_path(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+def test_the_leading_decodes_take_the_decode_path_and_the_chunks_the_prefill_loop(
+    dtype: torch.dtype, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    make = BACKENDS[backend]
     seq_lens, q_lens = [37, 9, 16, 40, 30], [1, 1, 1, 12, 7]
     t, meta = _step(seq_lens, q_lens, dtype)
     kernel_rows = _counting(monkeypatch, "run_paged_decode_cpu")
     q = t.query
-    got = CpuAttentionBackend(BS, dtype).attend(q, q, q, t.k_cache, t.v_cache, meta, t.scale)
-    assert kernel_rows == [3], "the three decode rows did not run on the kernel, together"
+    got = make(BS, dtype).attend(q, q, q, t.k_cache, t.v_cache, meta, t.scale)
+    # The "cpu" backend's three decode rows run on the kernel, together; torch's never do.
+    assert kernel_rows == ([3] if backend == "cpu" else [])
 
     # The decode rows: the bits of the same three sequences in a decode step of their own.
     dec, dec_meta = _part(t, slice(0, 3), slice(0, 3), seq_lens, q_lens)
-    alone = CpuAttentionBackend(BS, dtype).attend(
-        dec.query, dec.query, dec.query, t.k_cache, t.v_cache, dec_meta, t.scale
-    )
+    qd = dec.query
+    alone = make(BS, dtype).attend(qd, qd, qd, t.k_cache, t.v_cache, dec_meta, t.scale)
     assert torch.equal(got[:3], alone)
     # The chunks: the torch backend's bits for the two of them as a step of their own.
     pre, pre_meta = _part(t, slice(3, None), slice(3, None), seq_lens, q_lens)
@@ -110,7 +117,7 @@ def test_a_mixed_step_is_split_and_checked_once_for_all_its_layers(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checks = _counting(monkeypatch, "check_paged_decode_cpu")
-    splits = _counting(monkeypatch, "_split_mixed")
+    splits = _counting(monkeypatch, "split_mixed", torch_module)
     backend = CpuAttentionBackend(BS, dtype)
     for step in range(2):
         t, meta = _step([37, 9, 40], [1, 1, 12], dtype, seed=step)
@@ -141,7 +148,7 @@ def test_steps_the_split_leaves_alone_run_all_on_the_torch_path(
         q, q, q, t.k_cache, t.v_cache, step, t.scale
     )
     want = TorchAttentionBackend(BS, torch.float32).attend(
-        q, q, q, t.k_cache, t.v_cache, meta, t.scale
+        q, q, q, t.k_cache, t.v_cache, step, t.scale
     )
     assert kernel_rows == []
     assert torch.equal(got, want)

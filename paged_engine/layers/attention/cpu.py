@@ -4,12 +4,12 @@ A decode step (one new token per sequence), which is most of a generation's step
 ``paged_decode_attention_cpu``: each context read once, straight from the paged pool, with
 an online softmax, instead of torch's gather-then-attend. So do the decode rows of a mixed
 step (S2m: the running sequences' decodes first, then prefill chunks): the step's leading
-one-token sequences go to the kernel, the chunks after them to the torch backend. float32
-and bfloat16 caches alike (bfloat16 with AVX512-BF16 dot products where the CPU has them,
-float32 arithmetic throughout). The step's new K/V rows go into the pool through the
-compiled row copy (``store_kv_cpu``) instead of torch's element-wise ``index_copy_``.
-Everything else (prefill attention, a cache-less warm-up, a dtype or head layout the kernel
-lacks) is the torch backend's path, unchanged.
+one-token sequences go to the kernel, the chunks after them to the torch backend (which cuts
+the step: ``layers.attention.mixed``). float32 and bfloat16 caches alike (bfloat16 with
+AVX512-BF16 dot products where the CPU has them, float32 arithmetic throughout). The step's
+new K/V rows go into the pool through the compiled row copy (``store_kv_cpu``) instead of
+torch's element-wise ``index_copy_``. Everything else (prefill attention, a cache-less
+warm-up, a dtype or head layout the kernel lacks) is the torch backend's path, unchanged.
 
 The launcher's shape, stride and dtype checks would be paid by every layer of every decode
 step, in Python, for arguments laid out alike; they run once per step and argument layout
@@ -19,7 +19,6 @@ lengths in C on every call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,48 +36,6 @@ from paged_engine.layers.attention.requirements import cpu_problem
 from paged_engine.layers.attention.torch_backend import TorchAttentionBackend
 
 __all__ = ["CpuAttentionBackend"]
-
-
-@dataclass(slots=True, frozen=True)
-class _MixedSplit:
-    """A mixed step cut in two, once per step for all its layers: its first ``rows``
-    sequences have one new token each (a row each, for the kernel), ``rest`` is the step
-    without them (for the torch backend). The views are made once so that the kernel's
-    per-step checks and the torch backend's prefill plan, both keyed by the identity of
-    what they are given, are made once too."""
-
-    rows: int
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    rest: AttentionMetadata
-
-
-def _split_mixed(meta: AttentionMetadata) -> _MixedSplit | None:
-    """``meta``'s leading one-token sequences and the rest; None when it starts with a
-    longer one, or when some slot is -1 (a row the cache does not hold, which the kernel
-    would read there: only warm-up passes and padded graph rows have them)."""
-    rows = 0
-    for q_len in meta.query_lens_cpu:
-        if q_len != 1:
-            break
-        rows += 1
-    if rows == 0 or meta.slots_all_valid is not True:
-        return None
-    rest = replace(
-        meta,
-        is_prefill=True,
-        slot_mapping=meta.slot_mapping[rows:],
-        query_start_loc=meta.query_start_loc[rows:] - rows,
-        seq_start_loc=meta.seq_start_loc[rows:] - meta.seq_start_loc[rows],
-        seq_lens=meta.seq_lens[rows:],
-        block_tables=meta.block_tables[rows:],
-        max_query_len=max(meta.query_lens_cpu[rows:]),
-        max_seq_len=max(meta.seq_lens_cpu[rows:]),
-        query_lens_cpu=meta.query_lens_cpu[rows:],
-        seq_lens_cpu=meta.seq_lens_cpu[rows:],
-        block_tables_cpu=meta.block_tables_cpu[rows:],
-    )
-    return _MixedSplit(rows, meta.block_tables[:rows], meta.seq_lens[:rows], rest)
 
 
 def _layout(*tensors: torch.Tensor) -> tuple[Any, ...]:
@@ -122,7 +79,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.bf16_variant = bf16_variant
         self._checks = StepMemo()
         self._store_checks = StepMemo()  # its own: a step's store and decode key differently
-        self._split: tuple[AttentionMetadata, _MixedSplit | None] | None = None
 
     def store_kv(
         self,
@@ -154,7 +110,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The launcher, its checks made once per step (a step's block table is one tensor
         for all its layers) and argument layout."""
@@ -166,15 +121,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 query, k_cache, v_cache, block_tables, seq_lens, bf16_variant=self.bf16_variant
             ),
         )
-        return run_paged_decode_cpu(
-            launch, query, k_cache, v_cache, block_tables, seq_lens, scale, out
-        )
-
-    def _mixed_split(self, meta: AttentionMetadata) -> _MixedSplit | None:
-        """``_split_mixed(meta)``, made by the step's first layer for all of them."""
-        if self._split is None or self._split[0] is not meta:
-            self._split = (meta, _split_mixed(meta))
-        return self._split[1]
+        return run_paged_decode_cpu(launch, query, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def attend(
         self,
@@ -186,25 +133,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Decode rows on the kernel when it can take them; the rest on the torch backend."""
+        """Decode on the kernel when it can take the step; otherwise the torch backend,
+        which sends a mixed step's decodes back here as a decode step of their own."""
         if (
-            k_cache.numel() == 0
-            or query.dtype != k_cache.dtype
-            or geometry_problem(query.shape[1], k_cache.shape[2], query.shape[2], query.dtype)
-            is not None
+            meta.max_query_len == 1
+            and k_cache.numel() != 0
+            and query.dtype == k_cache.dtype
+            and geometry_problem(query.shape[1], k_cache.shape[2], query.shape[2], query.dtype)
+            is None
         ):
-            return super().attend(query, key, value, k_cache, v_cache, meta, scale)
-        if meta.max_query_len == 1:
             return self._decode_checked_per_step(
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
             )
-        split = self._mixed_split(meta)
-        if split is None:
-            return super().attend(query, key, value, k_cache, v_cache, meta, scale)
-        n = split.rows
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        self._decode_checked_per_step(
-            query[:n], k_cache, v_cache, split.block_tables, split.seq_lens, scale, out[:n]
-        )
-        out[n:] = super().attend(query[n:], key[n:], value[n:], k_cache, v_cache, split.rest, scale)
-        return out
+        return super().attend(query, key, value, k_cache, v_cache, meta, scale)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from paged_engine.layers.attention.base import AttentionMetadata
 from paged_engine.layers.attention.dense import attend_uncached, causal_bias, sdpa
+from paged_engine.layers.attention.mixed import MixedSplit, split_mixed
 from paged_engine.layers.cascade import (
     CascadePlan,
     SharedPrefix,
@@ -54,6 +55,8 @@ class TorchAttentionBackend:
     of the batch share prefix blocks, it is cascade attention instead (``layers.cascade``):
     each shared prefix attended once for its whole group. Prefill loops over sequences;
     one whose context is all new attends over its own K/V rows without touching the cache.
+    A mixed step's leading decodes go the decode way, through ``attend`` (so a subclass's
+    decode path takes them), and its chunks the prefill way (``layers.attention.mixed``).
 
     ``shared_prefix_min_tokens``: the gathered positions per layer a shared-prefix group
     must save to be attended as a cascade (``None`` turns cascades off). The default is
@@ -96,6 +99,7 @@ class TorchAttentionBackend:
             ]
             | None
         ) = None
+        self._mixed_memo: tuple[AttentionMetadata, MixedSplit | None] | None = None
 
     def store_kv(
         self,
@@ -151,6 +155,29 @@ class TorchAttentionBackend:
             return attend_uncached(query, key, value, meta.query_lens_cpu, scale)
         if meta.max_query_len == 1:  # decode, or prefill chunks of one token each
             return self._attend_gathered(query, k_cache, v_cache, meta, scale)
+        split = self._mixed_split(meta)
+        if split is None:
+            return self._attend_prefill(query, key, value, k_cache, v_cache, meta, scale)
+        # A mixed step: its decodes as a decode step (through attend, so that a subclass's
+        # decode path takes them), its chunks as a prefill step (not cut again).
+        n, caches = split.rows, (k_cache, v_cache)
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        out[:n] = self.attend(query[:n], key[:n], value[:n], *caches, split.decode, scale)
+        out[n:] = self._attend_prefill(query[n:], key[n:], value[n:], *caches, split.rest, scale)
+        return out
+
+    def _attend_prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Sequence by sequence: SDPA over the gathered context (causal mask), or over its
+        own rows when nothing of it is cached."""
         out = torch.empty_like(query)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
@@ -171,6 +198,13 @@ class TorchAttentionBackend:
             out[start:end] = o[0].transpose(0, 1)
             start = end
         return out
+
+    def _mixed_split(self, meta: AttentionMetadata) -> MixedSplit | None:
+        """``split_mixed(meta)``, made by the step's first layer for all of them."""
+        memo = self._mixed_memo
+        if memo is None or memo[0] is not meta:
+            memo = self._mixed_memo = (meta, split_mixed(meta))
+        return memo[1]
 
     def _prefill_plan(
         self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype
