@@ -8,13 +8,12 @@ metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from paged_engine.layers.attention.base import AttentionMetadata
 from paged_engine.layers.attention.dense import attend_uncached, causal_bias, sdpa
+from paged_engine.layers.attention.gather import DecodePlan, plain_plan
 from paged_engine.layers.attention.mixed import MixedSplit, split_mixed
 from paged_engine.layers.cascade import (
     CascadePlan,
@@ -29,20 +28,6 @@ __all__ = ["SHARED_PREFIX_MIN_TOKENS", "TorchAttentionBackend"]
 
 SHARED_PREFIX_MIN_TOKENS = 512
 """Default ``TorchAttentionBackend(shared_prefix_min_tokens=...)``; see its docstring."""
-
-
-@dataclass(slots=True, frozen=True)
-class _DecodePlan:
-    """What every layer of one decode step reads, derived once per step."""
-
-    index: torch.Tensor
-    """``[num_seqs * L]`` int64: the cache slot of position ``j`` of sequence ``i`` at
-    ``i * L + j`` (``L = max_seq_len``). Positions at or past a sequence's length point at
-    its own first slot, which is always written: a padded position never reads a slot
-    nothing wrote (the pool is uninitialised memory, NaN included)."""
-    mask: torch.Tensor
-    """``[num_seqs, 1, 1, L]`` additive (0 where ``j < seq_len_i``, else -inf) in the query
-    dtype: made once per step, where a bool mask would be converted by every SDPA call."""
 
 
 class TorchAttentionBackend:
@@ -88,7 +73,7 @@ class TorchAttentionBackend:
         # identity: the metadata (frozen) and slot mapping are built once per step; holding
         # them keeps their ids from being reused while the memo lives.
         self._decode_memo: (
-            tuple[AttentionMetadata, tuple[int, torch.dtype, int], _DecodePlan | CascadePlan] | None
+            tuple[AttentionMetadata, tuple[int, torch.dtype, int], DecodePlan | CascadePlan] | None
         ) = None
         self._store_memo: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._prefill_memo: (
@@ -233,12 +218,12 @@ class TorchAttentionBackend:
 
     def _decode_plan(
         self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, num_kv_heads: int
-    ) -> _DecodePlan | CascadePlan:
+    ) -> DecodePlan | CascadePlan:
         key = (block_size, dtype, num_kv_heads)
         memo = self._decode_memo
         if memo is not None and memo[0] is meta and memo[1] == key:
             return memo[2]
-        plan: _DecodePlan | CascadePlan
+        plan: DecodePlan | CascadePlan
         groups: tuple[SharedPrefix, ...] = ()
         if self.shared_prefix_min_tokens is not None and meta.block_tables_cpu:
             groups = find_shared_prefixes(
@@ -258,24 +243,9 @@ class TorchAttentionBackend:
                 num_kv_heads,
             )
         else:
-            plan = self._plain_plan(meta, block_size, dtype)
+            plan = plain_plan(meta, block_size, dtype)
         self._decode_memo = (meta, key, plan)
         return plan
-
-    @staticmethod
-    def _plain_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _DecodePlan:
-        device = meta.block_tables.device
-        num_seqs, length = meta.num_seqs, meta.max_seq_len
-        tables = meta.block_tables[:, : -(-length // block_size)].long()
-        first = tables[:, :1]
-        tables = torch.where(tables < 0, first, tables)  # table padding: any real block
-        offsets = torch.arange(block_size, device=device)
-        slots = (tables[:, :, None] * block_size + offsets).view(num_seqs, -1)[:, :length]
-        valid = torch.arange(length, device=device) < meta.seq_lens[:, None]
-        return _DecodePlan(
-            index=torch.where(valid, slots, first * block_size).flatten(),
-            mask=_additive_mask(valid, dtype),
-        )
 
     def _attend_gathered(
         self,
@@ -288,7 +258,7 @@ class TorchAttentionBackend:
         """One new token per sequence: gather every context at once, one SDPA call.
 
         Each context is read up to the batch's longest; the positions past a sequence's
-        length read its own first slot (see ``_DecodePlan``) and are masked out. The
+        length read its own first slot (see ``DecodePlan``) and are masked out. The
         ``group`` query heads of one kv head ride SDPA's query-row axis, so K/V are never
         repeated per head.
         """
@@ -306,9 +276,3 @@ class TorchAttentionBackend:
         k, v = k.to(query.dtype), v.to(query.dtype)  # [B, kvh, L, d]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
         return out.reshape(num_seqs, num_heads, d)
-
-
-def _additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, L]`` bool (True = attend) -> ``[B, 1, 1, L]`` 0 / -inf in ``dtype``."""
-    mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
-    return mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
