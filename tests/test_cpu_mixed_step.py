@@ -11,7 +11,7 @@ context from the cache, as the kernel and the oracle do.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
@@ -21,6 +21,7 @@ from paged_engine.layers.attention import TorchAttentionBackend, make_attention_
 from paged_engine.layers.attention import cpu as cpu_module
 from paged_engine.layers.attention import torch_backend as torch_module
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
+from paged_engine.layers.attention.mixed import split_mixed
 from tests.kernel_cases import Case, Tensors, assert_close, make_tensors, ref_prefill
 
 CPU = torch.device("cpu")
@@ -82,6 +83,25 @@ def _counting(monkeypatch: pytest.MonkeyPatch, name: str, module: Any = cpu_modu
 BACKENDS = {"cpu": CpuAttentionBackend, "torch": TorchAttentionBackend}
 
 
+def test_each_part_of_the_cut_is_the_metadata_of_a_step_of_its_own() -> None:
+    """``split_mixed``'s parts, field by field, against metadata built from the parts'
+    own lists (``make_attention_metadata``, the runner's builder)."""
+    seq_lens, q_lens = [37, 9, 16, 40, 30], [1, 1, 1, 12, 7]
+    t, meta = _step(seq_lens, q_lens, torch.float32)
+    split = split_mixed(meta)
+    assert split is not None and split.rows == 3
+    parts = ((slice(0, 3), slice(0, 3)), (slice(3, 5), slice(3, 22)))  # sequences, rows
+    for got, (seqs, rows) in zip((split.decode, split.rest), parts, strict=True):
+        _, want = _part(t, rows, seqs, seq_lens, q_lens)
+        for f in fields(want):
+            a, b = getattr(got, f.name), getattr(want, f.name)
+            same = torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
+            assert same, f"{f.name}: {a} != {b}"
+    # Nothing to cut: a step that starts with a chunk, or is all decodes.
+    assert split_mixed(_step([40, 37], [12, 1], torch.float32)[1]) is None
+    assert split_mixed(_step([40, 37], [1, 1], torch.float32)[1]) is None
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_leading_decodes_take_the_decode_path_and_the_chunks_the_prefill_loop(
@@ -91,10 +111,21 @@ def test_the_leading_decodes_take_the_decode_path_and_the_chunks_the_prefill_loo
     seq_lens, q_lens = [37, 9, 16, 40, 30], [1, 1, 1, 12, 7]
     t, meta = _step(seq_lens, q_lens, dtype)
     kernel_rows = _counting(monkeypatch, "run_paged_decode_cpu")
+    gathered_rows: list[int] = []
+    gather = TorchAttentionBackend._attend_gathered
+
+    def counted_gather(self: Any, query: torch.Tensor, *args: Any) -> torch.Tensor:
+        gathered_rows.append(len(query))
+        return gather(self, query, *args)
+
+    monkeypatch.setattr(TorchAttentionBackend, "_attend_gathered", counted_gather)
     q = t.query
     got = make(BS, dtype).attend(q, q, q, t.k_cache, t.v_cache, meta, t.scale)
-    # The "cpu" backend's three decode rows run on the kernel, together; torch's never do.
-    assert kernel_rows == ([3] if backend == "cpu" else [])
+    # The three decode rows take the backend's decode path together: the "cpu" backend's
+    # kernel, or torch's one gathered SDPA call (whose values the per-row loop would match).
+    want_paths = ([3], []) if backend == "cpu" else ([], [3])
+    assert (kernel_rows, gathered_rows) == want_paths, "the decodes left the decode path"
+    gathered_rows.clear()
 
     # The decode rows: the bits of the same three sequences in a decode step of their own.
     dec, dec_meta = _part(t, slice(0, 3), slice(0, 3), seq_lens, q_lens)

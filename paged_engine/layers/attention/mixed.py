@@ -42,32 +42,25 @@ def split_mixed(meta: AttentionMetadata) -> MixedSplit | None:
         rows += 1
     if rows == 0 or rows == meta.num_seqs or meta.slots_all_valid is not True:
         return None
-    decode = replace(
+    return MixedSplit(rows, _sequences(meta, 0, rows), _sequences(meta, rows, meta.num_seqs))
+
+
+def _sequences(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
+    """Sequences ``lo .. hi - 1`` of ``meta`` as a step of their own: their rows, lengths
+    and tables, the cumulative counts restarted at 0."""
+    q0, q1 = sum(meta.query_lens_cpu[:lo]), sum(meta.query_lens_cpu[:hi])
+    query_lens = meta.query_lens_cpu[lo:hi]
+    return replace(
         meta,
-        is_prefill=False,
-        slot_mapping=meta.slot_mapping[:rows],
-        query_start_loc=meta.query_start_loc[: rows + 1],
-        seq_start_loc=meta.seq_start_loc[: rows + 1],
-        seq_lens=meta.seq_lens[:rows],
-        block_tables=meta.block_tables[:rows],
-        max_query_len=1,
-        max_seq_len=max(meta.seq_lens_cpu[:rows]),
-        query_lens_cpu=meta.query_lens_cpu[:rows],
-        seq_lens_cpu=meta.seq_lens_cpu[:rows],
-        block_tables_cpu=meta.block_tables_cpu[:rows],
+        is_prefill=max(query_lens) > 1,
+        slot_mapping=meta.slot_mapping[q0:q1],
+        query_start_loc=meta.query_start_loc[lo : hi + 1] - q0,
+        seq_start_loc=meta.seq_start_loc[lo : hi + 1] - meta.seq_start_loc[lo],
+        seq_lens=meta.seq_lens[lo:hi],
+        block_tables=meta.block_tables[lo:hi],
+        max_query_len=max(query_lens),
+        max_seq_len=max(meta.seq_lens_cpu[lo:hi]),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=meta.seq_lens_cpu[lo:hi],
+        block_tables_cpu=meta.block_tables_cpu[lo:hi],
     )
-    rest = replace(
-        meta,
-        is_prefill=True,
-        slot_mapping=meta.slot_mapping[rows:],
-        query_start_loc=meta.query_start_loc[rows:] - rows,
-        seq_start_loc=meta.seq_start_loc[rows:] - meta.seq_start_loc[rows],
-        seq_lens=meta.seq_lens[rows:],
-        block_tables=meta.block_tables[rows:],
-        max_query_len=max(meta.query_lens_cpu[rows:]),
-        max_seq_len=max(meta.seq_lens_cpu[rows:]),
-        query_lens_cpu=meta.query_lens_cpu[rows:],
-        seq_lens_cpu=meta.seq_lens_cpu[rows:],
-        block_tables_cpu=meta.block_tables_cpu[rows:],
-    )
-    return MixedSplit(rows, decode, rest)
