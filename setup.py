@@ -154,6 +154,7 @@ setup(
             ],
             # The kernel template and shared declarations: a change to any rebuilds.
             depends=[
+                "csrc/fused_ops_rope.h",
                 "csrc/fused_ops_rows.h",
                 "csrc/isa.h",
                 "csrc/levels.h",

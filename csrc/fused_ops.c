@@ -28,17 +28,18 @@
  * torch's exp: it is close to torch, not equal (bfloat16 rounds the same way as torch in
  * between, see fused_ops_ref.py).
  *
- * Each op's rows are in fused_ops_rows.h; this file checks a call's arguments and runs the
- * rows over threads. It is one more module in the _cpu_kernels library (PEP 489's several
- * modules in one library: PyInit__fused_ops, loaded by the launcher under that name), so
- * it shares the library's build without touching the decode kernel's module.
+ * Each op's rows are in fused_ops_rows.h (qk_norm_rope's in fused_ops_rope.h); this file
+ * checks a call's arguments and runs the rows over threads. It is one more module in the
+ * _cpu_kernels library (PEP 489's several modules in one library: PyInit__fused_ops,
+ * loaded by the launcher under that name), so it shares the library's build without
+ * touching the decode kernel's module.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <stdint.h>
 
-#include "fused_ops_rows.h"
+#include "fused_ops_rope.h" /* and fused_ops_rows.h, which it includes */
 
 /* ------------------------------------------------------------------ Python entry points */
 

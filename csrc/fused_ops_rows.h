@@ -3,7 +3,7 @@
  * numerics are torch's): the element helpers, and each op as a function over rows
  * [begin, end) of a call, compiled once per instruction-set level (LEVELS, levels.h).
  * fused_ops.c holds the Python entry points that check a call's arguments and run these
- * rows over threads; it is the one file that includes this one.
+ * rows over threads; qk_norm_rope's rows are in fused_ops_rope.h, which includes this.
  */
 #ifndef PAGED_ENGINE_FUSED_OPS_ROWS_H
 #define PAGED_ENGINE_FUSED_OPS_ROWS_H
@@ -121,25 +121,42 @@ INLINE void cascade4(const float *x, int64_t size, const int L, float out[4][MAX
         }
 }
 
-/* sum(x^2) over n floats, in torch's order for a contiguous row (its row_sum over L-wide
- * vectors, 4 interleaved, then the leftover elements, then the lanes one by one; a row
- * shorter than one vector: the same over single elements). */
-INLINE float sum_squares(const float *x, int64_t n, const int L) {
+/* sum_squares' L lane partials for a row of n >= L floats, before it adds them up: torch's
+ * row_sum over L-wide vectors, 4 interleaved, each lane's 4 partials added in order. The
+ * elements past the last whole vector are not in them. */
+INLINE void lane_partials(const float *x, int64_t n, const int L, float out[MAX_LANES]) {
     float parts[4][MAX_LANES];
-    if (n < L) {
-        cascade4(x, n / 4, 1, parts);
-        for (int64_t i = n / 4 * 4; i < n; i++) parts[0][0] += x[i] * x[i];
-        return parts[0][0] + parts[1][0] + parts[2][0] + parts[3][0];
-    }
     const int64_t units = n / L;
     cascade4(x, units / 4, L, parts);
     for (int64_t u = units / 4 * 4; u < units; u++)
         for (int l = 0; l < L; l++) parts[0][l] += x[u * L + l] * x[u * L + l];
     for (int k = 1; k < 4; k++)
         for (int l = 0; l < L; l++) parts[0][l] += parts[k][l];
+    for (int l = 0; l < L; l++) out[l] = parts[0][l];
+}
+
+/* The squares of the elements past the last whole L-wide vector, one by one: where torch's
+ * sum starts before it adds the lanes. */
+INLINE float tail_squares(const float *x, int64_t n, const int L) {
     float total = 0.f;
-    for (int64_t i = units * L; i < n; i++) total += x[i] * x[i];
-    for (int l = 0; l < L; l++) total += parts[0][l];
+    for (int64_t i = n / L * L; i < n; i++) total += x[i] * x[i];
+    return total;
+}
+
+/* sum(x^2) over n floats, in torch's order for a contiguous row (its row_sum over L-wide
+ * vectors, 4 interleaved, then the leftover elements, then the lanes one by one; a row
+ * shorter than one vector: the same over single elements). */
+INLINE float sum_squares(const float *x, int64_t n, const int L) {
+    if (n < L) {
+        float parts[4][MAX_LANES];
+        cascade4(x, n / 4, 1, parts);
+        for (int64_t i = n / 4 * 4; i < n; i++) parts[0][0] += x[i] * x[i];
+        return parts[0][0] + parts[1][0] + parts[2][0] + parts[3][0];
+    }
+    float lanes[MAX_LANES];
+    lane_partials(x, n, L, lanes);
+    float total = tail_squares(x, n, L);
+    for (int l = 0; l < L; l++) total += lanes[l];
     return total;
 }
 
@@ -184,49 +201,6 @@ INLINE void add_rms_norm_rows(const NormArgs *a, const int bf16, const int L, in
 
 LEVELS(add_rms_norm_f32, add_rms_norm_rows(a, 0, L, begin, end))
 LEVELS(add_rms_norm_bf16, add_rms_norm_rows(a, 1, L, begin, end))
-
-typedef struct {
-    void *qk;
-    const void *wq, *wk, *cos, *sin;
-    int64_t ts, cs, tokens, q_heads, heads, d;
-    float eps;
-} RopeArgs;
-
-/* Per (token, head): the head's RMSNorm (q weight for the first q_heads, else k; no norm
- * when both weights are NULL: the Llama families rotate without one), then
- * x * cos + [x2, x1] * [-sin, sin] (sin's first half arrives negated), each product and
- * the sum rounded to the model dtype, as torch's three ops round them. */
-INLINE void qk_norm_rope_rows(const RopeArgs *a, const int bf16, const int L, int64_t begin,
-                              int64_t end) {
-    const int64_t half = a->d / 2;
-    for (int64_t it = begin; it < end; it++) {
-        float row[MAX_COLS], normed[MAX_COLS];
-        const int64_t t = it / a->heads, h = it % a->heads;
-        char *x = (char *)a->qk + (t * a->ts + h * a->d) * (bf16 ? 2 : 4);
-        const void *w = h < a->q_heads ? a->wq : a->wk;
-        for (int64_t j = 0; j < a->d; j++) row[j] = load(x, j, bf16);
-        if (w != NULL) {
-            const float scale = inv_rms(row, a->d, a->eps, L);
-            for (int64_t j = 0; j < a->d; j++)
-                normed[j] = rnd(load(w, j, bf16) * rnd(row[j] * scale, bf16), bf16);
-        } else {
-            for (int64_t j = 0; j < a->d; j++) normed[j] = row[j];
-        }
-        const char *c = (const char *)a->cos + t * a->cs * (bf16 ? 2 : 4);
-        const char *s = (const char *)a->sin + t * a->cs * (bf16 ? 2 : 4);
-        for (int64_t j = 0; j < half; j++) {
-            const float p = rnd(normed[j] * load(c, j, bf16), bf16);
-            store(x, j, p + rnd(normed[j + half] * load(s, j, bf16), bf16), bf16);
-        }
-        for (int64_t j = half; j < a->d; j++) {
-            const float p = rnd(normed[j] * load(c, j, bf16), bf16);
-            store(x, j, p + rnd(normed[j - half] * load(s, j, bf16), bf16), bf16);
-        }
-    }
-}
-
-LEVELS(qk_norm_rope_f32, qk_norm_rope_rows(a, 0, L, begin, end))
-LEVELS(qk_norm_rope_bf16, qk_norm_rope_rows(a, 1, L, begin, end))
 
 EXACT_FP_END
 

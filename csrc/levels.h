@@ -41,8 +41,8 @@ typedef void (*RangeFn)(const void *args, int lanes, int64_t begin, int64_t end)
 /* `name`'s workers, one per instruction-set level (isa.h): name##_levels[isa], NULL where
  * this build lacks the level. The launcher picks the level. Each runs `body` (over the
  * arguments a, L, begin, end), compiled for its level; an op whose arithmetic is exact
- * (fused_ops_rows.h's norms and rotation, sample_ops.c's pass) gives the same bits at every
- * level. */
+ * (fused_ops_rows.h's norms, fused_ops_rope.h's norm and rotation, sample_ops.c's pass)
+ * gives the same bits at every level. */
 #ifdef HAVE_X86_LEVELS
 #define LEVELS(name, body)                                                                  \
     static void name##_base(const void *a, int L, int64_t begin, int64_t end) { body; }     \

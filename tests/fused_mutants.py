@@ -1,4 +1,5 @@
-"""Deliberately broken fused small ops (``csrc/fused_ops_rows.h``), each named after its bug.
+"""Deliberately broken fused small ops (``csrc/fused_ops_rows.h``, ``csrc/fused_ops_rope.h``),
+each named after its bug.
 
 The product carries no switch for any of them: each is a patch file,
 ``tests/fused_mutants/<name>.patch``, applied to a temporary copy of csrc/ when the mutant
@@ -91,6 +92,12 @@ MUTANTS = [
     ),
     FusedMutant("rope_sign", "qk", "the first half rotates the wrong way (sin's sign dropped)"),
     FusedMutant("q_weight_for_k", "qk", "the k heads are normed with q_norm's weight"),
+    FusedMutant(
+        "grouped_lanes_reversed",
+        "qk",
+        "a group of heads adds its lane partials last lane first, not in torch's order "
+        "(float32 rounding)",
+    ),
     FusedMutant(
         "rope_alone_normed",
         "rope",
