@@ -158,6 +158,7 @@ setup(
                 "csrc/fused_ops_rows.h",
                 "csrc/isa.h",
                 "csrc/levels.h",
+                "csrc/paged_decode_amx.h",
                 "csrc/paged_decode_cpu.h",
                 "csrc/paged_decode_head.h",
                 "csrc/paged_decode_items.h",

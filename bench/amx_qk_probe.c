@@ -1,7 +1,8 @@
 /*
- * A probe, not product code: how fast a decode step's Q.K scores would be on AMX tiles, next
- * to the way the AVX512-BF16 decode copy computes them (csrc/paged_decode_bf16.c), on the
- * same bfloat16 K rows in cache. bench/test_amx_qk_probe_bench.py compiles and runs it on
+ * A probe, not product code: how fast a decode step's Q.K scores are on AMX tiles, next to
+ * the way the AVX512-BF16 decode copy computes them (csrc/paged_decode_bf16.c), on the same
+ * bfloat16 K rows in cache, the scoring alone (the kernel's "amx" variant,
+ * csrc/paged_decode_amx.h, was built after it). bench/test_amx_qk_probe_bench.py compiles and runs it on
  * CPUs with AMX-BF16 and reports its JSON line.
  *
  * Both ways score T tokens (rows of kv_heads x D bfloat16, as a pool block lays them) against

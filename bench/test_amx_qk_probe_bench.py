@@ -1,6 +1,7 @@
-"""A probe for the decode kernel's next step on Intel CPUs with AMX: its Q.K scores on AMX tiles
-against the AVX512-BF16 way the kernel computes them now (``bench/amx_qk_probe.c`` says how
-each works). Not product code: it measures whether an AMX copy of the kernel would pay.
+"""A probe of the decode kernel's Q.K scores on AMX tiles against the AVX512-BF16 way
+(``bench/amx_qk_probe.c`` says how each works), the two alone, outside the kernel. Not
+product code: it measured whether an AMX copy would pay before the "amx" variant
+(csrc/paged_decode_amx.h) was built, and still shows the scoring's share by itself.
 
 Per geometry the probe is compiled with the geometry as constants (as the kernel's copies are)
 and run once, pinned to no core (run the bench under ``taskset`` for figures). Both ways must

@@ -1,6 +1,6 @@
 /*
  * The bfloat16 variants of the paged decode kernel (paged_decode_head.h): q, K/V and out in
- * bfloat16, everything in between float32. Two instantiations:
+ * bfloat16, everything in between float32. Three instantiations:
  *
  * - portable: each bfloat16 widened to float32 (a 16-bit shift, exact) and multiplied in
  *   float32. Plain C, one copy per instruction-set level up to x86-64-v3 (isa.h; the
@@ -14,6 +14,8 @@
  *   Compiled for that target alone (a pragma, not a global -march flag), so the build runs
  *   anywhere; decode_bf16_avx512_usable() asks the CPU before it is ever called. The
  *   dispatcher (paged_decode_cpu.c) takes it for head_dim >= 32 only.
+ * - amx (paged_decode_amx.h, included in the avx512 section): the avx512 copy with its Q.K
+ *   scores on AMX tiles, 16 tokens of a kv head at a time.
  *
  * VDPBF16PS treats bfloat16 denormals as zero; a denormal K or q element (below 1.2e-38)
  * contributes 0 instead of at most 1e-38 to a score: nothing a softmax can see.
@@ -169,11 +171,14 @@ static inline __attribute__((always_inline)) void pv_group_avx512(float *acc,
 #define DH_NAME(x) x##_bf16_avx512
 #define DH_ATTR
 #include "paged_decode_head.h"
-#undef DH_RAW_Q
 #undef DH_PART
 #undef DH_PARTS_N
 #undef DH_PART_DOT
 #undef DH_PART_SUMS
+
+#include "paged_decode_amx.h"
+
+#undef DH_RAW_Q
 #undef DH_PV_GROUP
 
 #pragma GCC pop_options
@@ -195,4 +200,8 @@ int decode_bf16_avx512_usable(void) {
 
 #ifndef HAVE_AVX512_BF16
 int decode_bf16_avx512(const Args *a) { return decode_bf16_portable(a); }
+#endif
+#ifndef HAVE_AMX_BF16
+int decode_bf16_amx_usable(void) { return 0; }
+int decode_bf16_amx(const Args *a) { return decode_bf16_avx512(a); }
 #endif

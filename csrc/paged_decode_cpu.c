@@ -94,8 +94,8 @@ static int first_bad_sequence(const Args *a, int *bad_block) {
     return -1;
 }
 
-enum { BF16_AUTO = 0, BF16_PORTABLE = 1, BF16_AVX512 = 2 };
-static int avx512_usable; /* set once, when the module loads */
+enum { BF16_AUTO = 0, BF16_PORTABLE = 1, BF16_AVX512 = 2, BF16_AMX = 3 };
+static int avx512_usable, amx_usable; /* set once, when the module loads */
 
 /* Parse the launcher's arguments (the instruction-set level, then for bfloat16 `impl`, the
  * variant, last), validate them and run the chosen copy with the GIL released. */
@@ -157,11 +157,15 @@ static PyObject *run_checked(PyObject *args, const char *format, const char *wha
         /* Below 32 elements a 512-bit VDPBF16PS is mostly masked off, and the portable
          * (AVX2) copy measured faster (bench/test_cpu_bf16_bench.py, head_dim 16). */
         if (*impl == BF16_AUTO)
-            *impl = avx512_usable && a.head_dim >= 32 ? BF16_AVX512 : BF16_PORTABLE;
+            *impl = a.head_dim < 32 || !avx512_usable ? BF16_PORTABLE
+                    : amx_usable                      ? BF16_AMX
+                                                      : BF16_AVX512;
         if (*impl == BF16_PORTABLE) {
             kernel = decode_bf16_portable_level(isa);
         } else if (*impl == BF16_AVX512 && avx512_usable) {
             kernel = decode_bf16_avx512;
+        } else if (*impl == BF16_AMX && amx_usable) {
+            kernel = decode_bf16_amx;
         } else {
             PyErr_Format(PyExc_ValueError, "%s: bfloat16 variant %d is not available here",
                          what, *impl);
@@ -189,6 +193,7 @@ static PyObject *paged_decode_bf16(PyObject *self, PyObject *args) {
 /* The bfloat16 variants this build and CPU run, best first (the one "auto" takes). */
 static PyObject *bf16_variants(PyObject *self, PyObject *noargs) {
     (void)self, (void)noargs;
+    if (amx_usable) return Py_BuildValue("(sss)", "amx", "avx512bf16", "portable");
     return avx512_usable ? Py_BuildValue("(ss)", "avx512bf16", "portable")
                          : Py_BuildValue("(s)", "portable");
 }
@@ -222,7 +227,7 @@ static PyMethodDef methods[] = {
      "paged_engine.kernels.paged_decode_cpu."},
     {"paged_decode_bf16", paged_decode_bf16, METH_VARARGS,
      "paged_decode_bf16(same arguments as paged_decode_f32, then variant: 0 the best, 1 "
-     "portable, 2 avx512bf16): bfloat16 q, caches and out."},
+     "portable, 2 avx512bf16, 3 amx): bfloat16 q, caches and out."},
     {"store_kv", py_store_kv, METH_VARARGS,
      "store_kv(key, key_row_stride, value, value_row_stride, k_cache, v_cache, slots, rows, "
      "row_bytes, num_slots): int64 slots, strides in bytes, negative slots skipped; returns "
@@ -244,5 +249,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     avx512_usable = decode_bf16_avx512_usable(); /* the load-time choice */
+    amx_usable = decode_bf16_amx_usable();
     return PyModule_Create(&module);
 }

@@ -67,5 +67,11 @@ Kernel decode_bf16_portable_level(int isa);
  * (then decode_bf16_avx512 must not be called). */
 int decode_bf16_avx512_usable(void);
 int decode_bf16_avx512(const Args *a);
+/* The avx512 copy with its scores on AMX tiles (paged_decode_amx.h): 1 when this build has
+ * it, this CPU runs it and the OS grants the process tile data, else 0. decode_bf16_amx
+ * takes the avx512 copy itself where the tiles do not apply (head_dim not a multiple of
+ * 64, blocks not of a multiple of 16 tokens). */
+int decode_bf16_amx_usable(void);
+int decode_bf16_amx(const Args *a);
 
 #endif

@@ -21,6 +21,15 @@
  *                   DH_PART); DH_PART_SUMS(parts, n, scale, out) finishes n <= DH_PARTS_N of
  *                   them into out[0 .. n), times scale, each score's bits independent of n
  *                   and of the others. The K rows are still read token after token.
+ *   DH_TILES        optional, with DH_RAW_Q, in place of DH_PART: the scores of 16 tokens
+ *                   of one kv head for its G query heads at once in a tile unit (AMX).
+ *                   DH_TILES_BEGIN(qt, qe, hstride, nkv, D, G) once per item, on the thread
+ *                   that runs it (the heads' q, hstride elements apart, arranged into qt; the
+ *                   unit configured), DH_TILES_SCORES(qt, j, k, row, m, D, G, scale, s, t)
+ *                   for kv head j (its K rows at k) and tokens t .. t + m - 1 (m <= 16) into
+ *                   s[i][t ..] for its heads i < G, and DH_TILES_END() at the item's end. It
+ *                   reads 16 K rows whatever m is (the entry point takes it only where they
+ *                   lie in the chunk's block) and drops the rows past m.
  *   DH_PV_GROUP     optional: DH_PV_GROUP(acc, p, v, row, n, D, G) does decode_run's P @ V
  *                   of a chunk for the G query heads of one kv head together (acc row i at
  *                   acc + i * D, p[i] its probabilities), each accumulator element's sum in
@@ -112,6 +121,10 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
         l[i] = 0.f;
     }
     (void)qe, (void)qs; /* each variant's dot reads one of the two */
+#ifdef DH_TILES
+    DH_ELEM qt[MAX_GROUP * MAX_DIM];
+    DH_TILES_BEGIN(qt, &qe[0][0], MAX_DIM, 1, D, G);
+#endif
     for (int t0 = 0; t0 < len;) {
         const int off = t0 % BS;
         int n = BS - off;
@@ -119,7 +132,10 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
         if (n > len - t0) n = len - t0;
         const int64_t base = ((int64_t)table[t0 / BS] * BS + off) * row + (int64_t)kh * D;
         const DH_ELEM *kr = K + base, *vr = V + base;
-#ifdef DH_PART
+#if defined(DH_TILES)
+        for (int t = 0; t < n; t += 16, kr += 16 * row)
+            DH_TILES_SCORES(qt, 0, kr, row, n - t < 16 ? n - t : 16, D, G, a->scale, s, t);
+#elif defined(DH_PART)
         for (int t = 0; t < n; t += DH_PARTS_N, kr += DH_PARTS_N * row) {
             const int m = n - t < DH_PARTS_N ? n - t : DH_PARTS_N;
             DH_PART part[MAX_GROUP][DH_PARTS_N];
@@ -151,6 +167,9 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
             }
         t0 += n;
     }
+#ifdef DH_TILES
+    DH_TILES_END();
+#endif
     for (int i = 0; i < G; i++) {
         DH_ELEM *o = (DH_ELEM *)a->out + b * a->out_stride_b + head[i] * a->out_stride_h;
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f; /* an empty context gives zeros */
@@ -200,6 +219,10 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
         l[h] = 0.f;
     }
     (void)qe, (void)qs; /* each variant's dot reads one of the two */
+#ifdef DH_TILES
+    DH_ELEM qt[ITEM_MAX_ELEMS];
+    DH_TILES_BEGIN(qt, qe, D, nkv, D, G);
+#endif
     for (int t0 = 0; t0 < len;) {
         const int off = t0 % BS;
         int n = BS - off;
@@ -207,7 +230,7 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
         if (n > len - t0) n = len - t0;
         const int64_t base = ((int64_t)table[t0 / BS] * BS + off) * row;
         const DH_ELEM *kr = K + base, *vr = V + base;
-#ifdef DH_PART
+#if defined(DH_PART) || defined(DH_TILES)
         /* The next chunk's K rows, asked for token by token while this chunk's are scored:
          * in this copy only, the one measured faster with it (on Zen 3 the float32 copy was
          * slower with it; both in docs/performance.md). */
@@ -216,6 +239,18 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
         if (n1 > CHUNK) n1 = CHUNK;
         if (n1 > len - t1) n1 = len - t1;
         const DH_ELEM *next = n1 ? K + ((int64_t)table[t1 / BS] * BS + t1 % BS) * row : NULL;
+#if defined(DH_TILES)
+        for (int t = 0; t < n; t += 16, kr += 16 * row) {
+            const int m = n - t < 16 ? n - t : 16;
+            for (int j = 0; j < nkv; j++) { /* the prefetches spread over the kv heads */
+                for (int u = j * m / nkv; u < (j + 1) * m / nkv; u++) {
+                    DH_NAME(prefetch)(vr + (t + u) * row, nkv * D);
+                    if (t + u < n1) DH_NAME(prefetch)(next + (t + u) * row, nkv * D);
+                }
+                DH_TILES_SCORES(qt, j, kr + j * D, row, m, D, G, a->scale, s + j * G, t);
+            }
+        }
+#else
         for (int t = 0; t < n; t += DH_PARTS_N) {
             const int m = n - t < DH_PARTS_N ? n - t : DH_PARTS_N;
             DH_PART part[ITEM_MAX_HEADS][DH_PARTS_N];
@@ -228,6 +263,7 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
             }
             for (int h = 0; h < H; h++) DH_PART_SUMS(part[h], m, a->scale, s[h] + t);
         }
+#endif
 #else
         for (int t = 0; t < n; t++, kr += row) {
             DH_NAME(prefetch)(vr + t * row, nkv * D);
@@ -259,6 +295,9 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
 #endif
         t0 += n;
     }
+#ifdef DH_TILES
+    DH_TILES_END();
+#endif
     for (int h = 0; h < H; h++) {
         DH_ELEM *o = (DH_ELEM *)a->out + b * a->out_stride_b + (kh0 * G + h) * a->out_stride_h;
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f; /* an empty context gives zeros */

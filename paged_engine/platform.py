@@ -32,6 +32,7 @@ from pathlib import Path
 from paged_engine.platform_cgroup import cpu_quotas, memory_room, read_text
 from paged_engine.platform_cpu import (
     BF16_MATRIX_FLAGS,
+    DECODE_AMX_FLAGS,
     DECODE_AVX512_BF16_FLAGS,
     ISA_LEVELS,
     CpuInfo,
@@ -43,6 +44,7 @@ from paged_engine.platform_cpu import (
 
 __all__ = [
     "BF16_MATRIX_FLAGS",
+    "DECODE_AMX_FLAGS",
     "DECODE_AVX512_BF16_FLAGS",
     "ISA_LEVELS",
     "CpuInfo",

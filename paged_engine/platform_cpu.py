@@ -19,6 +19,7 @@ from pathlib import Path
 __all__ = [
     "BF16_MATRIX_FLAGS",
     "CPUINFO",
+    "DECODE_AMX_FLAGS",
     "DECODE_AVX512_BF16_FLAGS",
     "ISA_LEVELS",
     "CpuInfo",
@@ -39,6 +40,8 @@ ISA_LEVELS: dict[str, frozenset[str]] = {"x86-64-v4": _X86_64_V4, "x86-64-v3": _
 /proc/cpuinfo flags each needs (its own and the levels' below; LZCNT is ``abm``)."""
 DECODE_AVX512_BF16_FLAGS = frozenset({"avx512_bf16", "avx512bw", "avx512vl"})
 """What the decode kernel's "avx512bf16" variant executes (VDPBF16PS, masked loads)."""
+DECODE_AMX_FLAGS = DECODE_AVX512_BF16_FLAGS | {"amx_bf16", "amx_tile"}
+"""What its "amx" variant executes: the avx512bf16 copy, with its scores on AMX tiles."""
 BF16_MATRIX_FLAGS = ("amx_bf16", "avx512_bf16")
 """The bfloat16 matrix instructions that make bfloat16 faster than float32 on a CPU."""
 

@@ -316,6 +316,19 @@ AVX512_BF16_MUTANTS: tuple[CpuKernelMutant, ...] = (
 )
 """Bugs in the AVX512-BF16 copy's own code: the portable copies are untouched."""
 
+AMX_MUTANTS: tuple[CpuKernelMutant, ...] = (
+    CpuKernelMutant(
+        "cpu_decode_amx_pair_swap",
+        "the AMX copy arranges each query head's elements into B's pairs the wrong way round",
+    ),
+    CpuKernelMutant(
+        "cpu_decode_amx_heads_swapped",
+        "for a group of 2 the AMX copy gives each head of a kv head the other's scores",
+    ),
+)
+"""Bugs in the AMX copy's own code (csrc/paged_decode_amx.h): the other variants are
+untouched."""
+
 STORE_MUTANTS: tuple[CpuKernelMutant, ...] = (
     CpuKernelMutant(
         "cpu_store_kv_drops_last_row",

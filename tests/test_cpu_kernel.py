@@ -52,6 +52,7 @@ from tests.kernel_cases import (
     run_decode,
 )
 from tests.kernel_mutants import (
+    AMX_MUTANTS,
     AVX512_BF16_MUTANTS,
     BF16_MUTANTS,
     COMPILE_MUTANTS,
@@ -266,7 +267,8 @@ def test_each_mutant_disagrees_with_ref_on_some_layout(mutant: CpuKernelMutant) 
 
 def test_every_patch_file_is_a_listed_mutant_and_back() -> None:
     """A patch file no mutant names would never run; a mutant without one fails alone."""
-    cpu = (*CPU_MUTANTS, *BF16_MUTANTS, *AVX512_BF16_MUTANTS, *STORE_MUTANTS, *THREAD_MUTANTS)
+    cpu = (*CPU_MUTANTS, *BF16_MUTANTS, *AVX512_BF16_MUTANTS, *AMX_MUTANTS, *STORE_MUTANTS)
+    cpu = (*cpu, *THREAD_MUTANTS)
     names = [m.name for m in (*MUTANTS, *PREFILL_MUTANTS, *COMPILE_MUTANTS, *cpu)]
     assert len(names) == len(set(names))
     assert set(names) == {p.stem for p in kernel_mutants.PATCH_DIR.glob("*.patch")}

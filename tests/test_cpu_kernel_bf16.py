@@ -37,6 +37,7 @@ from paged_engine.layers.attention import make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from tests.kernel_cases import DECODE_CASES, Case, Tensors, cpu_id, decode_case, make_tensors
 from tests.kernel_mutants import (
+    AMX_MUTANTS,
     AVX512_BF16_MUTANTS,
     BF16_MUTANTS,
     CpuKernelMutant,
@@ -48,7 +49,7 @@ CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 ONE_ROUNDING = {"atol": 1e-5, "rtol": 2**-8 + 1e-5}
 """Half a bfloat16 ulp is at most 2**-8 of the value; atol covers float32 summation order."""
-VARIANTS = ("portable", "avx512bf16")
+VARIANTS = ("portable", "avx512bf16", "amx")
 
 
 # What torch's probe (the cpuinfo library: CPUID and the OS's state) says, not ours.
@@ -58,12 +59,23 @@ NO_AVX512_BF16 = (
     "torch.cpu.get_capabilities() has no avx512_bf16, avx512_bw and avx512_vl here "
     f"(capability {torch.backends.cpu.get_cpu_capability()})"
 )
+HAS_AMX = HAS_AVX512_BF16 and all(bool(_CAPS.get(f)) for f in ("amx_bf16", "amx_tile"))
+NO_AMX = "torch.cpu.get_capabilities() has no amx_bf16 and amx_tile (or no AVX512-BF16) here"
+AMX_CASES = [
+    *(c for c in DECODE_CASES if c.block_size % 16 == 0 and c.head_dim % 64 == 0),
+    # one kv head per item (a group of 1; 8 kv heads of 128), each its own copy of the code
+    decode_case((37, 1, 70), block_size=32, group=1, num_kv_heads=2, head_dim=64),
+    decode_case((40, 17), block_size=16, group=4, num_kv_heads=8, head_dim=128),
+]
+"""Layouts the amx variant scores on tiles (DECODE_CASES' others take its avx512 copy)."""
 
 
 def variant_param(name: str) -> Any:
     marks = []
     if name == "avx512bf16" and not HAS_AVX512_BF16:
         marks.append(pytest.mark.skip(reason=NO_AVX512_BF16))
+    if name == "amx" and not HAS_AMX:
+        marks.append(pytest.mark.skip(reason=NO_AMX))
     return pytest.param(name, marks=marks, id=name)
 
 
@@ -100,21 +112,29 @@ def assert_one_rounding(out: torch.Tensor, t: Tensors) -> None:
 
 
 def test_the_variants_follow_the_cpu() -> None:
-    """AVX512-BF16 is offered exactly where torch's probe says the CPU has it; the portable
-    variant is always there, last."""
-    expected = ("avx512bf16", "portable") if HAS_AVX512_BF16 else ("portable",)
+    """AMX and AVX512-BF16 are offered exactly where torch's probe says the CPU has them,
+    best first; the portable variant is always there, last."""
+    expected = ("amx",) * HAS_AMX + ("avx512bf16",) * HAS_AVX512_BF16 + ("portable",)
     assert bf16_variants() == expected
 
 
 def test_auto_follows_the_platform_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ "auto" takes avx512bf16 where ``bf16_variants`` has it and the head dim is 32 or
-    more, else portable; a platform that reports no AVX512-BF16 (forced here, so CPUs that
-    have it test the fallback too) leaves the portable variant only."""
+    """ "auto" takes amx, else avx512bf16, where ``bf16_variants`` has it and the head dim
+    is 32 or more, else portable; a platform that reports no AMX keeps avx512bf16, and one
+    that reports no AVX512-BF16 (forced here, so CPUs that have them test the fallbacks
+    too) leaves the portable variant only."""
     t = bf16(DECODE_CASES[1])
     args = (t.query, t.k_cache, t.v_cache, t.block_tables, t.seq_lens)
     code = paged_decode_cpu.BF16_VARIANTS
-    best = "avx512bf16" if HAS_AVX512_BF16 and t.query.shape[2] >= 32 else "portable"
+    wide = "amx" if HAS_AMX else "avx512bf16" if HAS_AVX512_BF16 else "portable"
+    best = wide if t.query.shape[2] >= 32 else "portable"
     assert check_paged_decode_cpu(*args).bf16_variant == code[best]
+    if HAS_AMX:  # a platform without AMX's flags keeps the AVX512 copy
+        no_amx = replace(platform.cpu_info(), flags=platform.cpu_info().flags - {"amx_tile"})
+        with monkeypatch.context() as m:
+            m.setattr(platform, "cpu_info", lambda: no_amx)
+            assert bf16_variants() == ("avx512bf16", "portable")
+            assert check_paged_decode_cpu(*args).bf16_variant == code["avx512bf16"]
     flags = platform.cpu_info().flags - {"avx512_bf16"}
     without = replace(platform.cpu_info(), flags=flags)
     monkeypatch.setattr(platform, "cpu_info", lambda: without)
@@ -240,21 +260,50 @@ def test_each_precision_mutant_is_caught_in_bf16_and_harmless_in_fp32(
     assert torch.equal(mutant.launch(*args), paged_decode_attention_cpu(*args))
 
 
+def assert_caught_in(mutant: CpuKernelMutant, variant: str, cases: list[Case], spared: str) -> None:
+    """Some layout of ``cases`` puts ``mutant``'s ``variant`` outside the one-rounding bound,
+    and the mutant's build leaves the ``spared`` variant's bits as they are."""
+    caught = []
+    for case in cases:
+        t = bf16(case)
+        if not torch.allclose(launch(t, variant, mutant.launch).float(), exact(t), **ONE_ROUNDING):
+            caught.append(cpu_id(case))
+    assert caught, f"no layout catches {mutant.name} ({mutant.bug})"
+    t = bf16(cases[0])
+    assert torch.equal(launch(t, spared, mutant.launch), launch(t, spared))
+
+
 @pytest.mark.skipif(not HAS_AVX512_BF16, reason=NO_AVX512_BF16)
 @pytest.mark.parametrize("mutant", AVX512_BF16_MUTANTS, ids=[m.name for m in AVX512_BF16_MUTANTS])
 def test_each_avx512_mutant_is_caught_there_and_leaves_the_portable_copy_alone(
     mutant: CpuKernelMutant,
 ) -> None:
-    caught = []
-    for case in DECODE_CASES:
+    assert_caught_in(mutant, "avx512bf16", DECODE_CASES, spared="portable")
+
+
+@pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)
+@pytest.mark.parametrize("case", AMX_CASES, ids=cpu_id)
+def test_the_amx_variant_on_its_tile_layouts(case: Case) -> None:
+    assert_one_rounding(launch(bf16(case), "amx"), bf16(case))
+
+
+@pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)
+def test_the_amx_variant_is_the_avx512_copy_where_tiles_do_not_apply() -> None:
+    # head dims not a multiple of 64 or blocks not of a multiple of 16 tokens: the same call
+    others = [c for c in DECODE_CASES if c not in AMX_CASES]
+    others.append(decode_case((37, 1, 70), block_size=8, group=2, num_kv_heads=4, head_dim=64))
+    assert AMX_CASES and others
+    for case in others:
         t = bf16(case)
-        if not torch.allclose(
-            launch(t, "avx512bf16", mutant.launch).float(), exact(t), **ONE_ROUNDING
-        ):
-            caught.append(cpu_id(case))
-    assert caught, f"no layout catches {mutant.name} ({mutant.bug})"
-    t = bf16(DECODE_CASES[0])
-    assert torch.equal(launch(t, "portable", mutant.launch), launch(t, "portable"))
+        assert torch.equal(launch(t, "amx"), launch(t, "avx512bf16")), cpu_id(case)
+
+
+@pytest.mark.skipif(not HAS_AMX, reason=NO_AMX)
+@pytest.mark.parametrize("mutant", AMX_MUTANTS, ids=[m.name for m in AMX_MUTANTS])
+def test_each_amx_mutant_is_caught_there_and_leaves_the_avx512_copy_alone(
+    mutant: CpuKernelMutant,
+) -> None:
+    assert_caught_in(mutant, "amx", AMX_CASES, spared="avx512bf16")
 
 
 # ---- the backend: bfloat16 decode, checks once per step --------------------------------------

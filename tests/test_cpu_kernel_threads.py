@@ -35,7 +35,7 @@ from paged_engine.kernels.paged_decode_cpu import (
 from paged_engine.layers.attention import make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from tests.kernel_cases import Case, Tensors, assert_close, decode_case, make_tensors, ref_decode
-from tests.test_cpu_kernel_bf16 import ONE_ROUNDING, variant_param
+from tests.test_cpu_kernel_bf16 import ONE_ROUNDING, VARIANTS, variant_param
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ CASES = {
     "ragged-gqa": decode_case((37, 300, 1, 70, 0, 129), block_size=16, group=4, head_dim=64),
     "generic-dim": decode_case((90, 5, 33), block_size=8, group=3, head_dim=20, num_kv_heads=4),
 }
-KINDS = [pytest.param(None, id="float32"), *(variant_param(v) for v in ("portable", "avx512bf16"))]
+KINDS = [pytest.param(None, id="float32"), *(variant_param(v) for v in VARIANTS)]
 
 
 def materialise(case: Case, variant: str | None) -> Tensors:

@@ -93,7 +93,8 @@ def cpu_kernels_threaded() -> bool:
 def bf16_variants() -> tuple[str, ...]:
     """The bfloat16 variants that run here, best first: those the built module has and
     this CPU executes (its own check) that the platform layer also finds the CPU's flags
-    for (``platform.DECODE_AVX512_BF16_FLAGS``); empty without the module."""
+    for (``platform.DECODE_AVX512_BF16_FLAGS``, ``DECODE_AMX_FLAGS``); empty without the
+    module."""
     if _COMPILED is None:
         return ()
     return variants_allowed(tuple(_COMPILED.module.bf16_variants()))

@@ -2,12 +2,14 @@
 the head layout, the dtype and the platform layer's answers, apart from the launcher
 (``paged_decode_cpu``) that checks tensors and calls the C.
 
-bfloat16 has two compiled variants: ``"avx512bf16"`` (AVX512-BF16 dot products) and
-``"portable"`` (plain C, widened to float32). ``"auto"`` takes the AVX512 one where it runs
-and the head dim is at least ``AVX512_MIN_HEAD_DIM``: below, a 512-bit dot is mostly masked
-off and the portable copy at AVX2 width does better (bench/test_cpu_bf16_bench.py). Both
-keep every product, the softmax and the accumulator in float32, and round once, to the
-output.
+bfloat16 has three compiled variants: ``"amx"`` (the AVX512 one with its Q.K scores on AMX
+tiles, csrc/paged_decode_amx.h; for head dims that are multiples of 64 and blocks of a
+multiple of 16 tokens, and the AVX512 copy for other calls), ``"avx512bf16"`` (AVX512-BF16
+dot products) and ``"portable"`` (plain C, widened to float32). ``"auto"`` takes the best of
+the first two that runs here where the head dim is at least ``AVX512_MIN_HEAD_DIM``: below,
+a 512-bit dot is mostly masked off and the portable copy at AVX2 width does better
+(bench/test_cpu_bf16_bench.py). All keep every product, the softmax and the accumulator
+in float32, and round once, to the output.
 
 Instruction-set levels (csrc/isa.h): the float32 kernel and the portable bfloat16 one are
 compiled once per level, the baseline everywhere and x86-64-v3/v4 on x86-64 (portable
@@ -42,10 +44,10 @@ MAX_GROUP = 16
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 """The head dims the launchers' shared checks accept (``checks.check_query_and_tables``)."""
 DTYPES = (torch.float32, torch.bfloat16)
-BF16_VARIANTS = {"auto": 0, "portable": 1, "avx512bf16": 2}
+BF16_VARIANTS = {"auto": 0, "portable": 1, "avx512bf16": 2, "amx": 3}
 """The names of the bfloat16 variants, with the code the C entry point takes."""
 AVX512_MIN_HEAD_DIM = 32
-""""auto" takes the avx512bf16 variant from this head dim up (see the module docstring)."""
+""""auto" takes the amx or avx512bf16 variant from this head dim up (the module docstring)."""
 
 
 def geometry_problem(
@@ -66,20 +68,20 @@ def geometry_problem(
 
 def variants_allowed(built: tuple[str, ...]) -> tuple[str, ...]:
     """Those of a module's bfloat16 variants (``built``, best first) whose instructions the
-    platform layer also finds the CPU's flags for (``platform.DECODE_AVX512_BF16_FLAGS``)."""
+    platform layer also finds the CPU's flags for (``platform.DECODE_AVX512_BF16_FLAGS``,
+    ``platform.DECODE_AMX_FLAGS``)."""
     cpu = platform.cpu_info()
-    return tuple(
-        v for v in built if v != "avx512bf16" or cpu.has(platform.DECODE_AVX512_BF16_FLAGS)
-    )
+    needs = {"avx512bf16": platform.DECODE_AVX512_BF16_FLAGS, "amx": platform.DECODE_AMX_FLAGS}
+    return tuple(v for v in built if v not in needs or cpu.has(needs[v]))
 
 
 def bf16_variant_code(
     what: str, requested: str, variants: tuple[str, ...], dtype: torch.dtype, head_dim: int
 ) -> int | None:
     """The C code of the bfloat16 variant to run (None in float32): ``requested``, or for
-    "auto" avx512bf16 where ``variants`` (those that run here) has it and ``head_dim`` is
-    at least ``AVX512_MIN_HEAD_DIM``, else portable. ValueError for a named variant in
-    float32 or one that does not run here."""
+    "auto" the first of amx and avx512bf16 that ``variants`` (those that run here) has where
+    ``head_dim`` is at least ``AVX512_MIN_HEAD_DIM``, else portable. ValueError for a named
+    variant in float32 or one that does not run here."""
     if requested != "auto" and dtype != torch.bfloat16:
         raise ValueError(f"{what}: bf16_variant {requested!r} applies to bfloat16 only")
     if requested != "auto" and requested not in variants:
@@ -90,8 +92,8 @@ def bf16_variant_code(
     if dtype != torch.bfloat16:
         return None
     if requested == "auto":
-        avx512 = "avx512bf16" in variants and head_dim >= AVX512_MIN_HEAD_DIM
-        requested = "avx512bf16" if avx512 else "portable"
+        wide = [v for v in ("amx", "avx512bf16") if v in variants]
+        requested = wide[0] if wide and head_dim >= AVX512_MIN_HEAD_DIM else "portable"
     return BF16_VARIANTS[requested]
 
 
