@@ -32,6 +32,12 @@ typedef struct {
 
 EXACT_FP_BEGIN
 
+/* Item `it`'s head in the qkv output: token it / heads, head it % heads. */
+INLINE char *item_head(const RopeArgs *a, const int bf16, int64_t it) {
+    const int64_t t = it / a->heads, h = it % a->heads;
+    return (char *)a->qk + (t * a->ts + h * a->d) * (bf16 ? 2 : 4);
+}
+
 /* Item `it` = (token, head) once its norm's scale is known (unused without weights: the
  * Llama families rotate without a norm): the head normed with q's weight for the first
  * q_heads, else k's, then x * cos + [x2, x1] * [-sin, sin] (sin's first half arrives
@@ -40,7 +46,7 @@ EXACT_FP_BEGIN
 INLINE void norm_rotate_item(const RopeArgs *a, const int bf16, int64_t it, const float *row,
                              float scale) {
     const int64_t half = a->d / 2, t = it / a->heads, h = it % a->heads;
-    char *x = (char *)a->qk + (t * a->ts + h * a->d) * (bf16 ? 2 : 4);
+    char *x = item_head(a, bf16, it);
     const void *w = h < a->q_heads ? a->wq : a->wk;
     float normed[MAX_COLS];
     if (w != NULL) {
@@ -61,11 +67,6 @@ INLINE void norm_rotate_item(const RopeArgs *a, const int bf16, int64_t it, cons
     }
 }
 
-INLINE const char *item_head(const RopeArgs *a, const int bf16, int64_t it) {
-    const int64_t t = it / a->heads, h = it % a->heads;
-    return (const char *)a->qk + (t * a->ts + h * a->d) * (bf16 ? 2 : 4);
-}
-
 /* One item at a time: inv_rms (fused_ops_rows.h) per head. */
 INLINE void qk_items_one_by_one(const RopeArgs *a, const int bf16, const int L, int64_t begin,
                                 int64_t end) {
@@ -73,8 +74,8 @@ INLINE void qk_items_one_by_one(const RopeArgs *a, const int bf16, const int L, 
         float row[MAX_COLS];
         const char *x = item_head(a, bf16, it);
         for (int64_t j = 0; j < a->d; j++) row[j] = load(x, j, bf16);
-        const int has_w = (it % a->heads < a->q_heads ? a->wq : a->wk) != NULL;
-        norm_rotate_item(a, bf16, it, row, has_w ? inv_rms(row, a->d, a->eps, L) : 0.f);
+        /* both weights or neither (the entry point checks) */
+        norm_rotate_item(a, bf16, it, row, a->wq != NULL ? inv_rms(row, a->d, a->eps, L) : 0.f);
     }
 }
 
