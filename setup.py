@@ -162,6 +162,7 @@ setup(
                 "csrc/paged_decode_cpu.h",
                 "csrc/paged_decode_head.h",
                 "csrc/paged_decode_items.h",
+                "csrc/paged_decode_share.h",
             ],
             include_dirs=["csrc"],
             # No -march: the x86-64-v3/v4 and AVX512-BF16 copies carry their own target

@@ -10,10 +10,14 @@ bfloat16. Three layouts of the same work, timed in one process, alternating call
 * ``sorted``: the same sequences sorted by prefix (grouped by prefix, as the kernel runs
   them);
 * ``one_prefix``: every sequence reads the same 14 blocks, which stay in the core's
-  cache: a ceiling on what any order can gain.
+  cache: a ceiling on what any order can gain;
+* ``shared``: ``interleaved`` with its 4 prefixes given to the kernel as shared-prefix
+  groups (``kernels.decode_share``, what the "cpu" backend does in bfloat16): each group's
+  query heads scored together against the shared rows. The same bits (checked).
 
 Reported: per layout ``us_min``/``us_median`` over ``SAMPLES`` samples (each the mean of
-``CALLS`` calls), and the ratios ``interleaved / sorted`` and ``interleaved / one_prefix``.
+``CALLS`` calls), and the ratios ``interleaved / sorted``, ``interleaved / one_prefix`` and
+``interleaved / shared``.
 The kernel runs both the first layouts in the same order, so on one build their ratio is
 1.0 by construction: it shows that the batch's order no longer matters. What the order
 gains shows only against a build without it (index order at one thread), where
@@ -33,6 +37,7 @@ import torch
 
 from bench.alternation import sampled_in_turn
 from paged_engine.kernels import paged_decode_cpu
+from paged_engine.kernels.decode_share import DecodeShare, decode_share
 
 BLOCK, BATCH, PREFIXES, PREFIX_BLOCKS, OWN_BLOCKS = 32, 32, 4, 10, 4
 SAMPLES, CALLS = 20, 5
@@ -68,7 +73,12 @@ def make_batch(shape: str, dtype: torch.dtype) -> Batch:
 
 
 def kernel_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    share: DecodeShare | None = None,
 ) -> Callable[[], torch.Tensor]:
     """One checked launch of the CPU decode kernel, run again at each call."""
     query, table = q.contiguous(), table.to(torch.int32).contiguous()
@@ -76,7 +86,7 @@ def kernel_call(
     launch = paged_decode_cpu.check_paged_decode_cpu(query, k, v, table, lens)
     scale = query.shape[-1] ** -0.5
     return lambda: paged_decode_cpu.run_paged_decode_cpu(
-        launch, query, k, v, table, lens, scale, out
+        launch, query, k, v, table, lens, scale, out, share
     )
 
 
@@ -93,8 +103,14 @@ def layouts(shape: str, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tens
     }
 
     runs = {name: kernel_call(query, k, v, table, lens) for name, (query, table) in tables.items()}
+    groups = [
+        ([b for b in range(BATCH) if b % PREFIXES == p], BLOCK * PREFIX_BLOCKS)
+        for p in range(PREFIXES)
+    ]
+    runs["shared"] = kernel_call(q, k, v, interleaved, lens, decode_share(groups, BATCH, BLOCK))
     first = runs["interleaved"]().clone()
     assert torch.equal(runs["sorted"]()[torch.argsort(by_prefix)], first)
+    assert torch.equal(runs["shared"](), first)
     return runs
 
 
@@ -102,7 +118,7 @@ def measure(runs: dict[str, Callable[[], torch.Tensor]]) -> dict[str, Any]:
     mins, meds = sampled_in_turn(runs, SAMPLES, CALLS)
     ratio = {
         f"interleaved_over_{other}_{stat}": round(figs["interleaved"] / figs[other], 3)
-        for other in ("sorted", "one_prefix")
+        for other in ("sorted", "one_prefix", "shared")
         for stat, figs in (("min", mins), ("median", meds))
     }
     return {

@@ -36,6 +36,8 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "isa.h"
 #include "paged_decode_cpu.h"
@@ -94,25 +96,95 @@ static int first_bad_sequence(const Args *a, int *bad_block) {
     return -1;
 }
 
+/* The shared-prefix groups (paged_decode_share.h), checked before any read: the rows lie in
+ * the batch, each in one group at most; a group's members share its token count, a whole
+ * number of blocks no longer than any member's context, and their tables begin with the
+ * same blocks; every other row starts at 0. Writes the problem into msg and returns 1. */
+static int share_problem(const Args *a, char *msg, size_t size) {
+    if (a->share_groups == 0) return 0;
+    if (a->share_groups < 0 || a->share_bounds[0] != 0) {
+        snprintf(msg, size, "share groups: %d groups, the first from row %d", a->share_groups,
+                 a->share_groups < 0 ? 0 : a->share_bounds[0]);
+        return 1;
+    }
+    for (int b = 0; b < a->batch; b++)
+        if (a->starts[b] < 0) {
+            snprintf(msg, size, "share starts: sequence %d starts at %d", b, a->starts[b]);
+            return 1;
+        }
+    char *seen = calloc((size_t)a->batch + 1, 1);
+    if (seen == NULL) {
+        snprintf(msg, size, "share groups: out of memory");
+        return 1;
+    }
+    int bad = 0;
+    for (int g = 0; g < a->share_groups && !bad; g++) {
+        const int lo = a->share_bounds[g], hi = a->share_bounds[g + 1];
+        if (hi <= lo || hi > a->batch) {
+            snprintf(msg, size, "share group %d: rows %d .. %d of a batch of %d", g, lo, hi,
+                     a->batch);
+            bad = 1;
+            break;
+        }
+        const int r0 = a->share_rows[lo];
+        for (int i = lo; i < hi && !bad; i++) {
+            const int b = a->share_rows[i];
+            if (b < 0 || b >= a->batch || seen[b]) {
+                snprintf(msg, size, "share group %d: row %d is outside the batch or in two "
+                         "groups", g, b);
+                bad = 1;
+                break;
+            }
+            seen[b] = 1;
+            const int n = a->starts[b];
+            if (n != a->starts[r0] || n == 0 || n % a->block_size || n > a->lens[b]) {
+                snprintf(msg, size, "share group %d: sequence %d starts at %d (its group at %d, "
+                         "blocks of %d, its length %d)", g, b, n, a->starts[r0],
+                         a->block_size, a->lens[b]);
+                bad = 1;
+                break;
+            }
+            for (int j = 0; j < n / a->block_size; j++)
+                if (a->tables[(int64_t)b * a->table_width + j] !=
+                    a->tables[(int64_t)r0 * a->table_width + j]) {
+                    snprintf(msg, size, "share group %d: sequence %d's block %d differs from "
+                             "sequence %d's", g, b, j, r0);
+                    bad = 1;
+                    break;
+                }
+        }
+    }
+    for (int b = 0; b < a->batch && !bad; b++)
+        if (!seen[b] && a->starts[b] != 0) {
+            snprintf(msg, size, "share starts: sequence %d starts at %d in no group", b,
+                     a->starts[b]);
+            bad = 1;
+        }
+    free(seen);
+    return bad;
+}
+
 enum { BF16_AUTO = 0, BF16_PORTABLE = 1, BF16_AVX512 = 2, BF16_AMX = 3 };
 static int avx512_usable, amx_usable; /* set once, when the module loads */
 
 /* Parse the launcher's arguments (the instruction-set level, then for bfloat16 `impl`, the
  * variant, last), validate them and run the chosen copy with the GIL released. */
 static PyObject *run_checked(PyObject *args, const char *format, const char *what, int *impl) {
-    unsigned long long q, k, v, tables, lens, out;
+    unsigned long long q, k, v, tables, lens, out, starts = 0, rows = 0, bounds = 0;
     Args a;
     int isa;
+    a.share_groups = 0;
     if (impl == NULL
             ? !PyArg_ParseTuple(args, format, &q, &k, &v, &tables, &lens, &out, &a.q_stride_b,
                                 &a.q_stride_h, &a.out_stride_b, &a.out_stride_h, &a.batch,
                                 &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
-                                &a.table_width, &a.num_blocks, &a.scale, &a.num_threads, &isa)
+                                &a.table_width, &a.num_blocks, &a.scale, &a.num_threads, &isa,
+                                &starts, &rows, &bounds, &a.share_groups)
             : !PyArg_ParseTuple(args, format, &q, &k, &v, &tables, &lens, &out, &a.q_stride_b,
                                 &a.q_stride_h, &a.out_stride_b, &a.out_stride_h, &a.batch,
                                 &a.heads, &a.kv_heads, &a.head_dim, &a.block_size,
                                 &a.table_width, &a.num_blocks, &a.scale, &a.num_threads, &isa,
-                                impl))
+                                impl, &starts, &rows, &bounds, &a.share_groups))
         return NULL;
     if (isa < 0 || isa >= ISA_LEVELS || f32_levels[isa] == NULL || !isa_usable(isa)) {
         PyErr_Format(PyExc_ValueError,
@@ -137,6 +209,14 @@ static PyObject *run_checked(PyObject *args, const char *format, const char *wha
     a.tables = (const int32_t *)(uintptr_t)tables;
     a.lens = (const int32_t *)(uintptr_t)lens;
     a.out = (void *)(uintptr_t)out;
+    a.starts = a.share_groups != 0 ? (const int32_t *)(uintptr_t)starts : NULL;
+    a.share_rows = (const int32_t *)(uintptr_t)rows;
+    a.share_bounds = (const int32_t *)(uintptr_t)bounds;
+    a.state = NULL;
+    if (a.share_groups != 0 && (!starts || !rows || !bounds)) {
+        PyErr_Format(PyExc_ValueError, "%s: share groups without their arrays", what);
+        return NULL;
+    }
     int bad_block;
     const int bad = first_bad_sequence(&a, &bad_block);
     if (bad >= 0) {
@@ -172,22 +252,32 @@ static PyObject *run_checked(PyObject *args, const char *format, const char *wha
             return NULL;
         }
     }
+    char msg[200];
+    if (share_problem(&a, msg, sizeof msg)) {
+        PyErr_Format(PyExc_ValueError, "%s: %s", what, msg);
+        return NULL;
+    }
+    if (a.share_groups > 0) {
+        a.state = malloc(sizeof(float) * (size_t)a.batch * a.heads * (a.head_dim + 2));
+        if (a.state == NULL) return PyErr_NoMemory();
+    }
     int threads;
     Py_BEGIN_ALLOW_THREADS;
     threads = kernel(&a);
     Py_END_ALLOW_THREADS;
+    free(a.state);
     return PyLong_FromLong(threads);
 }
 
 static PyObject *paged_decode_f32(PyObject *self, PyObject *args) {
     (void)self;
-    return run_checked(args, "KKKKKKLLLLiiiiiiifii", "paged_decode_f32", NULL);
+    return run_checked(args, "KKKKKKLLLLiiiiiiifii|KKKi", "paged_decode_f32", NULL);
 }
 
 static PyObject *paged_decode_bf16(PyObject *self, PyObject *args) {
     (void)self;
     int impl = BF16_AUTO;
-    return run_checked(args, "KKKKKKLLLLiiiiiiifiii", "paged_decode_bf16", &impl);
+    return run_checked(args, "KKKKKKLLLLiiiiiiifiii|KKKi", "paged_decode_bf16", &impl);
 }
 
 /* The bfloat16 variants this build and CPU run, best first (the one "auto" takes). */
@@ -222,12 +312,13 @@ static PyMethodDef methods[] = {
     {"paged_decode_f32", paged_decode_f32, METH_VARARGS,
      "paged_decode_f32(q, k, v, tables, lens, out, q_stride_b, q_stride_h, out_stride_b, "
      "out_stride_h, batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks, "
-     "scale, num_threads, isa): raw addresses and sizes, isa the instruction-set level's "
-     "code (0 baseline, 1 x86-64-v3, 2 x86-64-v4); returns the threads that ran. Use "
+     "scale, num_threads, isa[, starts, share_rows, share_bounds, share_groups]): raw "
+     "addresses and sizes, isa the instruction-set level's code (0 baseline, 1 x86-64-v3, 2 "
+     "x86-64-v4), then optionally the shared-prefix groups; returns the threads that ran. Use "
      "paged_engine.kernels.paged_decode_cpu."},
     {"paged_decode_bf16", paged_decode_bf16, METH_VARARGS,
-     "paged_decode_bf16(same arguments as paged_decode_f32, then variant: 0 the best, 1 "
-     "portable, 2 avx512bf16, 3 amx): bfloat16 q, caches and out."},
+     "paged_decode_bf16(paged_decode_f32's arguments to isa, then variant: 0 the best, 1 "
+     "portable, 2 avx512bf16, 3 amx, then the optional groups): bfloat16 q, caches and out."},
     {"store_kv", py_store_kv, METH_VARARGS,
      "store_kv(key, key_row_stride, value, value_row_stride, k_cache, v_cache, slots, rows, "
      "row_bytes, num_slots): int64 slots, strides in bytes, negative slots skipped; returns "

@@ -30,6 +30,12 @@ typedef struct {
     int batch, heads, kv_heads, head_dim, block_size, table_width, num_blocks;
     float scale;
     int num_threads; /* >= 1: the most threads run_items may use (the launcher's choice) */
+    /* Shared prefixes (paged_decode_share.h), or share_groups 0 and the pointers NULL: */
+    int share_groups;
+    const int32_t *share_rows;   /* the groups' rows, group after group */
+    const int32_t *share_bounds; /* group g: share_rows[share_bounds[g] .. share_bounds[g + 1]) */
+    const int32_t *starts;       /* per row: the tokens the share pass attends (0: none) */
+    float *state; /* [batch][heads][head_dim + 2]: a head's acc, max and sum after them */
 } Args;
 
 /* One work item: sequence b against kv heads kh0 .. kh0 + nkv - 1 (their query heads), its
@@ -56,6 +62,15 @@ static inline int run_span(const Args *a) {
     const int fits = span * G <= ITEM_MAX_HEADS && span * G * a->head_dim <= ITEM_MAX_ELEMS;
     return span >= 2 && span <= 4 && G >= 2 && fits ? span : 1;
 }
+
+/* One share item: kv head kh of shared-prefix group g, for the group's virtual heads v0 ..
+ * v0 + nv - 1 (paged_decode_share.h). */
+typedef void (*ShareFn)(const Args *a, int g, int kh, int v0, int nv);
+
+/* Every share item of a call (each group's kv heads, its virtual heads MAX_GROUP at a time),
+ * before run_items' items read the state they leave, on up to a->num_threads threads as
+ * run_items runs its own (run_items.c). */
+void run_share_items(const Args *a, ShareFn item);
 
 /* A copy's entry point: returns run_items' thread count. */
 typedef int (*Kernel)(const Args *a);

@@ -84,6 +84,28 @@ static inline __attribute__((always_inline)) void DH_NAME(prefetch)(const DH_ELE
     for (int64_t c = 0; c < n * (int64_t)sizeof(DH_ELEM); c += 64) __builtin_prefetch(p + c);
 }
 
+/* One head's online-softmax step over a chunk: its n scores s become probabilities against
+ * the new running max m, and its running sum l and accumulator acc are rescaled to it. */
+static inline __attribute__((always_inline)) void DH_NAME(softmax_chunk)(float *s, int n,
+                                                                         float *m, float *l,
+                                                                         float *acc,
+                                                                         const int D) {
+    float top = *m;
+    for (int t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+    const float rescale = expf(*m - top);
+    float sum = 0.f;
+    for (int t = 0; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        sum += s[t];
+    }
+    *l = *l * rescale + sum;
+    *m = top;
+    for (int x = 0; x < D; x++) acc[x] *= rescale;
+}
+
+/* The share pass, and how an item resumes after it. */
+#include "paged_decode_share.h"
+
 /* One (sequence, kv head): its G query heads against the whole context. D, and G where the
  * group is 1, 2, 3 or 4, are constants in the specialised copies below: the compiler unrolls
  * and vectorises the dots, and with G known it keeps the group's loops unrolled (the
@@ -120,12 +142,14 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
         m[i] = -FLT_MAX;
         l[i] = 0.f;
     }
+    int start = 0; /* past a shared prefix, the state the share pass left */
+    for (int i = 0; i < G; i++) start = DH_NAME(resume)(a, b, head[i], acc[i], &m[i], &l[i], D);
     (void)qe, (void)qs; /* each variant's dot reads one of the two */
 #ifdef DH_TILES
     DH_ELEM qt[MAX_GROUP * MAX_DIM];
     DH_TILES_BEGIN(qt, &qe[0][0], MAX_DIM, 1, D, G);
 #endif
-    for (int t0 = 0; t0 < len;) {
+    for (int t0 = start; t0 < len;) {
         const int off = t0 % BS;
         int n = BS - off;
         if (n > CHUNK) n = CHUNK;
@@ -147,19 +171,7 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
         for (int t = 0; t < n; t++, kr += row)
             for (int i = 0; i < G; i++) s[i][t] = DH_DOT(qs[i], qe[i], kr, D, a->scale);
 #endif
-        for (int i = 0; i < G; i++) {
-            float top = m[i];
-            for (int t = 0; t < n; t++) top = s[i][t] > top ? s[i][t] : top;
-            const float rescale = expf(m[i] - top);
-            float sum = 0.f;
-            for (int t = 0; t < n; t++) {
-                s[i][t] = expf(s[i][t] - top);
-                sum += s[i][t];
-            }
-            l[i] = l[i] * rescale + sum;
-            m[i] = top;
-            for (int x = 0; x < D; x++) acc[i][x] *= rescale;
-        }
+        for (int i = 0; i < G; i++) DH_NAME(softmax_chunk)(s[i], n, &m[i], &l[i], acc[i], D);
         for (int t = 0; t < n; t++, vr += row)
             for (int i = 0; i < G; i++) {
                 const float p = s[i][t];
@@ -218,12 +230,15 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
         m[h] = -FLT_MAX;
         l[h] = 0.f;
     }
+    int start = 0; /* past a shared prefix, the state the share pass left */
+    for (int h = 0; h < H; h++)
+        start = DH_NAME(resume)(a, b, kh0 * G + h, acc + h * D, &m[h], &l[h], D);
     (void)qe, (void)qs; /* each variant's dot reads one of the two */
 #ifdef DH_TILES
     DH_ELEM qt[ITEM_MAX_ELEMS];
     DH_TILES_BEGIN(qt, qe, D, nkv, D, G);
 #endif
-    for (int t0 = 0; t0 < len;) {
+    for (int t0 = start; t0 < len;) {
         const int off = t0 % BS;
         int n = BS - off;
         if (n > CHUNK) n = CHUNK;
@@ -274,19 +289,8 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
                 }
         }
 #endif
-        for (int h = 0; h < H; h++) {
-            float top = m[h];
-            for (int t = 0; t < n; t++) top = s[h][t] > top ? s[h][t] : top;
-            const float rescale = expf(m[h] - top);
-            float sum = 0.f;
-            for (int t = 0; t < n; t++) {
-                s[h][t] = expf(s[h][t] - top);
-                sum += s[h][t];
-            }
-            l[h] = l[h] * rescale + sum;
-            m[h] = top;
-            for (int x = 0; x < D; x++) acc[h * D + x] *= rescale;
-        }
+        for (int h = 0; h < H; h++)
+            DH_NAME(softmax_chunk)(s[h], n, &m[h], &l[h], acc + h * D, D);
 #ifdef DH_PV_GROUP
         for (int j = 0; j < nkv; j++) /* kv head j: item heads j * G .. j * G + G - 1 */
             DH_PV_GROUP(acc + j * G * D, s + j * G, vr + j * D, row, n, D, G);

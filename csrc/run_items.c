@@ -129,3 +129,45 @@ int run_items(const Args *a, ItemFn item, int span) {
     free(order);
     return team;
 }
+
+/* The share items (paged_decode_share.h): per group, per kv head, its members' virtual heads
+ * MAX_GROUP at a time, in that order, so that one kv head's shared rows are read by its
+ * items one after another. Claimed as run_items claims its own; every item writes the
+ * state of its own heads only, so the order does not change a bit. */
+void run_share_items(const Args *a, ShareFn item) {
+    const int G = a->heads / a->kv_heads;
+    int64_t *first = malloc(sizeof(int64_t) * ((size_t)a->share_groups + 1));
+    int64_t items = 0;
+    for (int g = 0; g < a->share_groups; g++) {
+        if (first != NULL) first[g] = items;
+        const int heads = (a->share_bounds[g + 1] - a->share_bounds[g]) * G;
+        items += (int64_t)a->kv_heads * ((heads + MAX_GROUP - 1) / MAX_GROUP);
+    }
+    if (first != NULL) first[a->share_groups] = items;
+#ifdef _OPENMP
+    const int threads = items < a->num_threads ? (int)items : a->num_threads;
+    if (threads > 1 && first != NULL) {
+        int64_t next = 0;
+#pragma omp parallel num_threads(threads)
+        for (;;) {
+            const int64_t i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            if (i >= items) break;
+            int g = 0;
+            while (first[g + 1] <= i) g++;
+            const int heads = (a->share_bounds[g + 1] - a->share_bounds[g]) * G;
+            const int chunks = (heads + MAX_GROUP - 1) / MAX_GROUP;
+            const int kh = (int)((i - first[g]) / chunks), v0 = (int)((i - first[g]) % chunks) * MAX_GROUP;
+            item(a, g, kh, v0, heads - v0 < MAX_GROUP ? heads - v0 : MAX_GROUP);
+        }
+        free(first);
+        return;
+    }
+#endif
+    free(first);
+    for (int g = 0; g < a->share_groups; g++) {
+        const int heads = (a->share_bounds[g + 1] - a->share_bounds[g]) * G;
+        for (int kh = 0; kh < a->kv_heads; kh++)
+            for (int v0 = 0; v0 < heads; v0 += MAX_GROUP)
+                item(a, g, kh, v0, heads - v0 < MAX_GROUP ? heads - v0 : MAX_GROUP);
+    }
+}

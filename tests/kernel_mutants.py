@@ -329,6 +329,20 @@ AMX_MUTANTS: tuple[CpuKernelMutant, ...] = (
 """Bugs in the AMX copy's own code (csrc/paged_decode_amx.h): the other variants are
 untouched."""
 
+SHARE_MUTANTS: tuple[CpuKernelMutant, ...] = (
+    CpuKernelMutant(
+        "cpu_decode_share_resume_max",
+        "an item resumes after the shared tokens with the running max reset, not the one the "
+        "share pass left",
+    ),
+    CpuKernelMutant(
+        "cpu_decode_share_first_member",
+        "every virtual head of a share pass scores the query of its group's first member",
+    ),
+)
+"""Bugs in the shared-prefix groups' code (csrc/paged_decode_share.h), in every copy:
+tests/test_cpu_kernel_share.py compares each call with groups to the call without."""
+
 STORE_MUTANTS: tuple[CpuKernelMutant, ...] = (
     CpuKernelMutant(
         "cpu_store_kv_drops_last_row",

@@ -59,6 +59,7 @@ from tests.kernel_mutants import (
     CPU_MUTANTS,
     MUTANTS,
     PREFILL_MUTANTS,
+    SHARE_MUTANTS,
     STORE_MUTANTS,
     THREAD_MUTANTS,
     CpuKernelMutant,
@@ -268,7 +269,7 @@ def test_each_mutant_disagrees_with_ref_on_some_layout(mutant: CpuKernelMutant) 
 def test_every_patch_file_is_a_listed_mutant_and_back() -> None:
     """A patch file no mutant names would never run; a mutant without one fails alone."""
     cpu = (*CPU_MUTANTS, *BF16_MUTANTS, *AVX512_BF16_MUTANTS, *AMX_MUTANTS, *STORE_MUTANTS)
-    cpu = (*cpu, *THREAD_MUTANTS)
+    cpu = (*cpu, *THREAD_MUTANTS, *SHARE_MUTANTS)
     names = [m.name for m in (*MUTANTS, *PREFILL_MUTANTS, *COMPILE_MUTANTS, *cpu)]
     assert len(names) == len(set(names))
     assert set(names) == {p.stem for p in kernel_mutants.PATCH_DIR.glob("*.patch")}
@@ -313,9 +314,9 @@ def test_backend_agrees_with_the_torch_backend(
     cpu = CpuAttentionBackend(8, torch.float32)
     kernel = cpu_module.run_paged_decode_cpu
 
-    def counting(*args: Any) -> torch.Tensor:
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(1)
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(cpu_module, "run_paged_decode_cpu", counting)
     torch_backend = TorchAttentionBackend(8, torch.float32)

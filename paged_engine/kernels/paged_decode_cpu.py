@@ -39,6 +39,7 @@ import torch
 from paged_engine import platform
 from paged_engine.kernels.checks import check_int_vector, check_query_and_tables
 from paged_engine.kernels.cpu_library import ISA_CODES, load_decode_module
+from paged_engine.kernels.decode_share import DecodeShare
 from paged_engine.kernels.paged_decode_cpu_choice import (
     BF16_VARIANTS,
     DTYPES,
@@ -203,12 +204,14 @@ def run_paged_decode_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    share: DecodeShare | None = None,
 ) -> torch.Tensor:
     """Run the kernel on tensors shaped as the ones ``launch`` was checked with (the caller
-    guarantees it: ``CpuAttentionBackend`` keys its per-step memo by shapes and strides)."""
+    guarantees it: ``CpuAttentionBackend`` keys its per-step memo by shapes and strides);
+    ``share``: shared-prefix groups (``decode_share``), checked in C, the same bits."""
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    kernel_threads(launch, query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    kernel_threads(launch, query, k_cache, v_cache, block_tables, seq_lens, scale, out, share)
     return out
 
 
@@ -221,6 +224,7 @@ def kernel_threads(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    share: DecodeShare | None = None,
 ) -> int:
     """``run_paged_decode_cpu`` into ``out``, returning how many threads the kernel ran on
     (1 for an empty batch, or a build without OpenMP: ``cpu_kernels_threaded``)."""
@@ -250,10 +254,11 @@ def kernel_threads(
         launch.num_threads,
         launch.isa,
     )
+    groups = () if share is None else share.kernel_args(launch.batch)
     if launch.bf16_variant is None:
-        threads: int = _COMPILED.module.paged_decode_f32(*args)
+        threads: int = _COMPILED.module.paged_decode_f32(*args, *groups)
     else:
-        threads = _COMPILED.module.paged_decode_bf16(*args, launch.bf16_variant)
+        threads = _COMPILED.module.paged_decode_bf16(*args, launch.bf16_variant, *groups)
     return threads
 
 
