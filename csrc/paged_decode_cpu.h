@@ -38,6 +38,20 @@ typedef struct {
     float *state; /* [batch][heads][head_dim + 2]: a head's acc, max and sum after them */
 } Args;
 
+/* The tokens of the chunk that begins at token t0 of a len-token context: at most CHUNK,
+ * never past the end of t0's block nor of the context (t0 < len). */
+static inline int chunk_tokens(int block_size, int t0, int len) {
+    int n = block_size - t0 % block_size;
+    if (n > CHUNK) n = CHUNK;
+    return n < len - t0 ? n : len - t0;
+}
+
+/* Token t's slot in the pool (block id times block_size plus its place in the block): the
+ * caches' rows are slot * kv_heads * head_dim elements in. */
+static inline int64_t token_slot(const int32_t *table, int block_size, int t) {
+    return (int64_t)table[t / block_size] * block_size + t % block_size;
+}
+
 /* One work item: sequence b against kv heads kh0 .. kh0 + nkv - 1 (their query heads), its
  * output written in full. Each variant's is compiled for its instruction sets; run_items
  * calls it. */

@@ -150,11 +150,8 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_head)(const Arg
     DH_TILES_BEGIN(qt, &qe[0][0], MAX_DIM, 1, D, G);
 #endif
     for (int t0 = start; t0 < len;) {
-        const int off = t0 % BS;
-        int n = BS - off;
-        if (n > CHUNK) n = CHUNK;
-        if (n > len - t0) n = len - t0;
-        const int64_t base = ((int64_t)table[t0 / BS] * BS + off) * row + (int64_t)kh * D;
+        const int n = chunk_tokens(BS, t0, len);
+        const int64_t base = token_slot(table, BS, t0) * row + (int64_t)kh * D;
         const DH_ELEM *kr = K + base, *vr = V + base;
 #if defined(DH_TILES)
         for (int t = 0; t < n; t += 16, kr += 16 * row)
@@ -239,21 +236,15 @@ static inline __attribute__((always_inline)) void DH_NAME(decode_run)(const Args
     DH_TILES_BEGIN(qt, qe, D, nkv, D, G);
 #endif
     for (int t0 = start; t0 < len;) {
-        const int off = t0 % BS;
-        int n = BS - off;
-        if (n > CHUNK) n = CHUNK;
-        if (n > len - t0) n = len - t0;
-        const int64_t base = ((int64_t)table[t0 / BS] * BS + off) * row;
+        const int n = chunk_tokens(BS, t0, len);
+        const int64_t base = token_slot(table, BS, t0) * row;
         const DH_ELEM *kr = K + base, *vr = V + base;
 #if defined(DH_PART) || defined(DH_TILES)
         /* The next chunk's K rows, asked for token by token while this chunk's are scored:
          * in this copy only, the one measured faster with it (on Zen 3 the float32 copy was
          * slower with it; both in docs/performance.md). */
-        const int t1 = t0 + n;
-        int n1 = t1 < len ? BS - t1 % BS : 0; /* the next chunk's tokens, as n above */
-        if (n1 > CHUNK) n1 = CHUNK;
-        if (n1 > len - t1) n1 = len - t1;
-        const DH_ELEM *next = n1 ? K + ((int64_t)table[t1 / BS] * BS + t1 % BS) * row : NULL;
+        const int t1 = t0 + n, n1 = t1 < len ? chunk_tokens(BS, t1, len) : 0;
+        const DH_ELEM *next = n1 ? K + token_slot(table, BS, t1) * row : NULL;
 #if defined(DH_TILES)
         for (int t = 0; t < n; t += 16, kr += 16 * row) {
             const int m = n - t < 16 ? n - t : 16;

@@ -77,8 +77,7 @@ DH_ATTR static void DH_NAME(item_dany)(const Args *a, int b, int kh0, int nkv) {
 /* The variant's entry point: 16, 32, 64 and 128 have their own copies, others the generic. */
 int DH_NAME(decode)(const Args *a) {
     if (a->share_groups > 0)
-        run_share_items(a, a->head_dim == 16    ? DH_NAME(share_d16)
-                           : a->head_dim == 32  ? DH_NAME(share_d32)
+        run_share_items(a, a->head_dim == 32    ? DH_NAME(share_d32)
                            : a->head_dim == 64  ? DH_NAME(share_d64)
                            : a->head_dim == 128 ? DH_NAME(share_d128)
                                                 : DH_NAME(share_dany));

@@ -79,17 +79,12 @@ static inline __attribute__((always_inline)) void DH_NAME(share_heads)(const Arg
     DH_TILES_BEGIN(qt, &qe[0][0], MAX_DIM, 1, D, nv);
 #endif
     for (int t0 = 0; t0 < len;) {
-        const int off = t0 % BS;
-        int n = BS - off;
-        if (n > CHUNK) n = CHUNK;
-        if (n > len - t0) n = len - t0;
-        const int64_t base = ((int64_t)table[t0 / BS] * BS + off) * row + (int64_t)kh * D;
+        const int n = chunk_tokens(BS, t0, len);
+        const int64_t base = token_slot(table, BS, t0) * row + (int64_t)kh * D;
         const DH_ELEM *kr = K + base, *vr = V + base;
         /* the next chunk's K rows (this head's), asked for while this one is scored */
-        const int t1 = t0 + n;
-        const int n1 = t1 < len ? (BS - t1 % BS < CHUNK ? BS - t1 % BS : CHUNK) : 0;
-        const DH_ELEM *next =
-            n1 ? K + ((int64_t)table[t1 / BS] * BS + t1 % BS) * row + (int64_t)kh * D : NULL;
+        const int t1 = t0 + n, n1 = t1 < len ? chunk_tokens(BS, t1, len) : 0;
+        const DH_ELEM *next = n1 ? K + token_slot(table, BS, t1) * row + (int64_t)kh * D : NULL;
 #if defined(DH_TILES)
         for (int t = 0; t < n; t += 16, kr += 16 * row) {
             for (int u = t; u < t + 16 && u < n; u++) {
@@ -154,7 +149,6 @@ static inline __attribute__((always_inline)) void DH_NAME(share_heads)(const Arg
     DH_ATTR static void DH_NAME(share_d##DIM)(const Args *a, int g, int kh, int v0, int nv) { \
         DH_NAME(share_heads)(a, g, kh, v0, nv, DIM);                                       \
     }
-DH_SHARE(16)
 DH_SHARE(32)
 DH_SHARE(64)
 DH_SHARE(128)

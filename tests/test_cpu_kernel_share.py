@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import torch
 from paged_engine.kernels import paged_decode_cpu as pdc
 from paged_engine.kernels.decode_share import DecodeShare, decode_share, same_bits
 from paged_engine.kernels.paged_attention_ref import paged_decode_attention_ref
+from paged_engine.layers.attention import cpu as cpu_module
 from paged_engine.layers.attention import make_attention_metadata
 from paged_engine.layers.attention.cpu import CpuAttentionBackend
 from tests.kernel_mutants import SHARE_MUTANTS, CpuKernelMutant, decode_module_bound
@@ -51,6 +53,7 @@ LAYOUTS = (
     Layout(6, 1, 80, 8, ((2, 2),)),  # a head dim without its own copy
     Layout(16, 2, 64, 16, ((3, 1),)),  # 8 heads per kv head: 24 virtual heads, 2 passes
     Layout(32, 2, 32, 16, ((3, 2),), alone=0),  # 16 per kv head: 48 virtual heads, 3 passes
+    Layout(4, 2, 16, 8, ((3, 2),)),  # head_dim 16: the generic share copy
 )
 
 
@@ -149,7 +152,7 @@ def test_groups_give_the_same_bits_and_match_the_reference(
     assert not shared.isnan().any()
     if same_bits(layout.heads, layout.kv_heads, layout.head_dim):
         assert torch.equal(shared, plain), f"max difference {(shared - plain).abs().max()}"
-    else:  # one query head per kv head: the plain copies order their sums their own way
+    else:  # the plain copies order their sums their own way (same_bits' docstring)
         torch.testing.assert_close(
             shared, plain, atol=1e-6, rtol=2e-7 if dtype == torch.float32 else 2**-8
         )
@@ -173,10 +176,11 @@ def test_groups_give_the_same_bits_and_match_the_reference(
 @pytest.mark.parametrize("copy", COPIES[-1:] + COPIES[:1], ids=copy_id)
 def test_the_same_bits_on_two_threads(copy: tuple[torch.dtype, dict[str, str]]) -> None:
     dtype, kw = copy
-    for layout in LAYOUTS[:2] + LAYOUTS[-1:]:
+    for layout in (LAYOUTS[0], LAYOUTS[1], LAYOUTS[-2]):  # runs, groups of 3, 3 passes
         call = make_call(layout, dtype, seed=1)
-        one = run(call, kw, None, num_threads=1)
+        one = run(call, kw, call.share, num_threads=1)
         assert torch.equal(run(call, kw, call.share, num_threads=2), one)
+        assert torch.equal(run(call, kw, None, num_threads=1), one)
 
 
 # ---- bad groups: refused before anything is read or written ---------------------------------
@@ -189,7 +193,6 @@ def _raw(starts: list[int], rows: list[int], bounds: list[int]) -> DecodeShare:
         torch.tensor(starts, dtype=i32),
         torch.tensor(rows, dtype=i32),
         torch.tensor(bounds, dtype=i32),
-        len(bounds) - 1,
     )
 
 
@@ -278,23 +281,27 @@ def test_decode_share_checks_its_groups_on_the_host() -> None:
     with pytest.raises(ValueError, match="starts has 4 rows for a batch of 5"):
         share.kernel_args(5)
     i32 = torch.int32
-    with pytest.raises(ValueError, match="1-D contiguous int32"):
-        DecodeShare(share.starts.long(), share.rows, share.bounds, 2)
-    with pytest.raises(ValueError, match="2 groups need 3 bounds, got 2"):
-        DecodeShare(share.starts, share.rows, share.bounds[:2], 2)
+    with pytest.raises(ValueError, match="1-D contiguous int32 on the CPU"):
+        DecodeShare(share.starts.long(), share.rows, share.bounds)
+    with pytest.raises(ValueError, match="1-D contiguous int32 on the CPU"):
+        DecodeShare(share.starts, share.rows.view(1, 3), share.bounds)
+    with pytest.raises(ValueError, match="bounds must hold one group at least"):
+        DecodeShare(share.starts, share.rows, share.bounds[:1])
     with pytest.raises(ValueError, match="bounds reach row 3 of 2"):
-        DecodeShare(share.starts, share.rows[:2], share.bounds, 2)
-    assert DecodeShare(share.starts, share.rows, torch.tensor([0, 2, 3], dtype=i32), 2).groups == 2
+        DecodeShare(share.starts, share.rows[:2], share.bounds)
+    assert DecodeShare(share.starts, share.rows, torch.tensor([0, 2, 3], dtype=i32)).groups == 2
 
 
 # ---- the backend plans the groups from the host tables --------------------------------------
 
 
+TABLES = [[5, 6, 1], [5, 6, 2], [9, 3], [5, 7, 4], [9, 8]]
+SEQ_LENS = [40, 33, 20, 35, 17]
+
+
 def test_the_backend_plans_groups_once_per_step_and_keeps_the_bits() -> None:
     bs = 16
-    tables = [[5, 6, 1], [5, 6, 2], [9, 3], [5, 7, 4], [9, 8]]
-    seq_lens = [40, 33, 20, 35, 17]
-    meta = make_attention_metadata([1] * 5, seq_lens, tables, bs)
+    meta = make_attention_metadata([1] * 5, SEQ_LENS, TABLES, bs)
     bf16 = CpuAttentionBackend(bs, torch.bfloat16)
     share = bf16._share(meta, bs)
     assert share is not None
@@ -309,11 +316,34 @@ def test_the_backend_plans_groups_once_per_step_and_keeps_the_bits() -> None:
 
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 10, bs, 2, 64, generator=gen).to(torch.bfloat16)
+
     q = torch.randn(5, 4, 64, generator=gen).to(torch.bfloat16)
     new = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
     args = (q, new, new, k, v, meta, 0.125)
     plain = CpuAttentionBackend(bs, torch.bfloat16, share_prefixes=False)
     assert torch.equal(bf16.attend(*args), plain.attend(*args))
+
+
+def test_the_backend_shares_only_where_the_bits_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    bs = 16
+    meta = make_attention_metadata([1] * 5, SEQ_LENS, TABLES, bs)
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 10, bs, 2, 64, generator=gen).to(torch.bfloat16)
+    # the kernel receives the plan only for head layouts that keep the bits (same_bits)
+    passed: list[DecodeShare | None] = []
+    kernel = cpu_module.run_paged_decode_cpu
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        passed.append(kwargs.get("share"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_module, "run_paged_decode_cpu", spy)
+    for heads in (2, 4):  # 1 and 2 query heads per kv head
+        q = torch.randn(5, heads, 64, generator=gen).to(torch.bfloat16)
+        new = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
+        CpuAttentionBackend(bs, torch.bfloat16).attend(q, new, new, k, v, meta, 0.125)
+    assert passed[0] is None and passed[1] is not None
+    assert passed[1].rows.tolist() == [0, 1, 3, 2, 4]
 
 
 # ---- mutants --------------------------------------------------------------------------------

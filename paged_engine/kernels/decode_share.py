@@ -43,25 +43,30 @@ class DecodeShare:
     """The groups' batch rows, group after group."""
     bounds: torch.Tensor
     """``[groups + 1]``: group ``g`` is ``rows[bounds[g]:bounds[g + 1]]``."""
-    groups: int
 
     def __post_init__(self) -> None:
         # What the kernel reads as raw int32 arrays, so that it reads nothing beyond them.
         arrays = (self.starts, self.rows, self.bounds)
         if any(
-            t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.is_cuda
+            t.dtype != torch.int32
+            or t.dim() != 1
+            or not t.is_contiguous()
+            or t.device.type != "cpu"
             for t in arrays
         ):
-            raise ValueError("DecodeShare: starts, rows and bounds must be 1-D contiguous int32")
-        if self.groups < 1 or self.bounds.numel() != self.groups + 1:
             raise ValueError(
-                f"DecodeShare: {self.groups} groups need {self.groups + 1} bounds, "
-                f"got {self.bounds.numel()}"
+                "DecodeShare: starts, rows and bounds must be 1-D contiguous int32 on the CPU"
             )
+        if self.bounds.numel() < 2:
+            raise ValueError("DecodeShare: bounds must hold one group at least")
         if self.rows.numel() < int(self.bounds.max()):
             raise ValueError(
                 f"DecodeShare: bounds reach row {int(self.bounds.max())} of {self.rows.numel()}"
             )
+
+    @property
+    def groups(self) -> int:
+        return self.bounds.numel() - 1
 
     def kernel_args(self, batch: int) -> tuple[int, int, int, int]:
         """The trailing arguments of ``paged_decode_f32`` / ``paged_decode_bf16`` for a
@@ -105,5 +110,4 @@ def decode_share(
         torch.tensor(starts, dtype=i32),
         torch.tensor(rows, dtype=i32),
         torch.tensor(bounds, dtype=i32),
-        len(groups),
     )

@@ -54,8 +54,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     to the kernel as groups (``kernels.decode_share``), whose query heads it scores together
     against the shared rows, only where that gives the same bits as without groups
     (``decode_share.same_bits``), so that a sequence's output never depends on its batch.
-    None (the default) shares in bfloat16, where it measured faster on every variant; in
-    float32 it measured no faster.
+    None (the default) shares in bfloat16, where it measured faster, and not in float32,
+    where it did not (``bench/test_prefix_order_bench.py``'s ``shared`` layout).
 
     ``bf16_variant`` picks the bfloat16 kernel ("auto", "avx512bf16" or "portable"; see
     ``paged_decode_cpu.bf16_variants``), for benchmarks and tests of each.
