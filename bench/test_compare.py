@@ -171,3 +171,32 @@ def test_report_prints_vllm_and_transformers_ratios_in_one_table(tmp_path: Path)
     assert row.endswith("pass* ttft")  # the ratio passes, the median does not, TTFT is worse
     e2e_row = next(line for line in text.splitlines() if line.startswith("e2e pe float32 1t"))
     assert "4.25x (3.50x)" in e2e_row
+
+
+def test_report_marks_a_cell_over_its_matmul_floor(tmp_path: Path) -> None:
+    side = {
+        "output_tokens_per_s": 2600.0,
+        "output_tokens_per_s_median": 2600.0,
+        "output_tokens_per_cpu_s": 2600.0,
+        "ttft_mean_s": 0.1,
+        "peak_rss_bytes": 2**20,
+    }
+    info = {
+        "suite": "vllm",
+        "model": "qwen3-29m",
+        "dtype": "float32",
+        "threads": 1,
+        "paged_engine": side,
+        "vllm": {**side, "output_tokens_per_s": 2000.0, "output_tokens_per_s_median": 2000.0},
+        "speedup_vs_vllm": 1.3,
+        "speedup_vs_vllm_median": 1.3,
+        "ttft_mean_vs_vllm": 1.0,
+        "target_speedup": 1.3,
+    }
+    cells = {"within": (1.25, "pass"), "over": (2.234, "pass floor 2.23x")}
+    for name, (time_vs_floor, verdict) in cells.items():
+        path = tmp_path / f"{name}.json"
+        extra = {**info, "time_vs_floor": time_vs_floor, "target_floor": 1.3}
+        path.write_text(json.dumps({"benchmarks": [{"extra_info": extra}]}))
+        row = next(x for x in report(path).splitlines() if x.startswith("qwen3-29m float32 1t"))
+        assert row.endswith(f"  {verdict}"), (name, row)
