@@ -1,13 +1,20 @@
 """Two or more ways of doing one thing, timed call by call in turn in one process (the
 machine is shared and noisy: alternating spreads its noise over every side), and the
-figures the micro-benchmarks report from those times."""
+figures the micro-benchmarks report from those times; ``fresh_interpreter`` for the
+suites that alternate whole processes instead."""
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def alternate(
@@ -60,3 +67,22 @@ def sampled_in_turn(
         {k: min(v) for k, v in times.items()},
         {k: statistics.median(v) for k, v in times.items()},
     )
+
+
+def fresh_interpreter(
+    code: str, args: Sequence[str], env: Mapping[str, str], timeout: float = 1200
+) -> dict[str, Any]:
+    """``code`` run as ``python -c code *args`` in the checkout with exactly ``env``; the
+    JSON object it printed on its line that starts ``RESULT ``."""
+    run = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=dict(env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    return dict(json.loads(line.removeprefix("RESULT ")))

@@ -28,13 +28,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.alternation import fresh_interpreter
 from bench.huge_pages import huge_pages_usable, transparent_huge_pages
 from bench.models import MODELS
 from paged_engine.utils.tiny_model import make_tiny_model
@@ -52,6 +51,7 @@ import paged_engine
 from pathlib import Path
 from paged_engine import LLM, SamplingParams
 from paged_engine.worker import model_runner
+from bench.alternation import fresh_interpreter
 from bench.huge_pages import advise_huge_pages
 
 model, arm, runs, prompts, prompt_len, new = sys.argv[1:7]
@@ -88,19 +88,7 @@ print("RESULT " + json.dumps({
 
 def run_child(model: Path, arm: str, workload: tuple[int, int, int]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    args = [str(model), arm, str(RUNS), *map(str, workload)]
-    run = subprocess.run(
-        [sys.executable, "-c", CHILD, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
-    return dict(json.loads(line.removeprefix("RESULT ")))
+    return fresh_interpreter(CHILD, [str(model), arm, str(RUNS), *map(str, workload)], env)
 
 
 @pytest.mark.skipif(

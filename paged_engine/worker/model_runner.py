@@ -40,6 +40,7 @@ from paged_engine.layers.sampler import Sampler
 from paged_engine.sampling_params import SEED_MODULUS
 from paged_engine.utils.loader import load_model, process_weights_after_loading
 from paged_engine.utils.model_config import ModelConfig
+from paged_engine.worker.cpu_malloc import keep_freed_memory, malloc_setting
 from paged_engine.worker.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
@@ -97,11 +98,11 @@ class ModelRunner:
         ``eos_token_ids`` are the ids the engine stops at (``min_tokens`` masks them).
 
         Everything that can be refused is refused before a weight is read or the model
-        or pool allocated: the device, ``max_model_len`` against the model's
-        ``max_position_embeddings``, the attention backend, the pool size, then the
-        checkpoint's files and tensors (by the loader). Only a pool sized from
-        CUDA memory is checked after the weights load: its budget is what a warm-up pass
-        of the loaded model leaves.
+        or pool allocated: the device (on the CPU with ``cpu_malloc``'s setting),
+        ``max_model_len`` against the model's ``max_position_embeddings``, the attention
+        backend, the pool size, then the checkpoint's files and tensors (by the loader).
+        Only a pool sized from CUDA memory is checked after the weights load: its budget
+        is what a warm-up pass of the loaded model leaves.
 
         With ``tp`` (rank ``r`` of ``N``, ``tp_worker.py``) the runner holds that rank's
         shard of the model and of the KV heads, on ``cuda:r`` under CUDA; every rank runs
@@ -114,6 +115,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         if tp.size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", tp.rank)
+        heap = malloc_setting() if self.device.type == "cpu" else None  # applied below
         self.model_config.check_max_model_len(config.max_model_len)
         self.config = config = config.for_device(self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.checkpoint_dtype)
@@ -137,6 +139,8 @@ class ModelRunner:
             self.num_kvcache_blocks = self._agreed_pool_size()
         if config.num_threads is not None:  # process-wide: only once nothing is refused
             set_cpu_threads(config.num_threads, self.device, tp, config.cpu_bind)
+        if heap is not None:
+            keep_freed_memory(heap)
         self.model, _ = load_model(
             self.model_config.model_dir,
             device=self.device,
