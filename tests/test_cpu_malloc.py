@@ -52,8 +52,7 @@ def test_the_setting_comes_from_the_environment(environ: dict[str, str], expecte
 
 def test_keep_sets_the_three_parameters_in_order(libc: RecordingLibc) -> None:
     assert keep_freed_memory("keep") is True
-    # M_MMAP_THRESHOLD 32 MiB first (it ends glibc's own adjustments), then
-    # M_TRIM_THRESHOLD 1 GiB and M_TOP_PAD 64 MiB
+    # M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB, M_TOP_PAD 64 MiB
     assert libc.calls == [(-3, 33554432), (-1, 1073741824), (-2, 67108864)]
 
 

@@ -53,7 +53,8 @@ PARAMS = (
     ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, TRIM_THRESHOLD),
     ("M_TOP_PAD", M_TOP_PAD, TOP_PAD),
 )
-"""In this order: setting the mmap threshold first ends glibc's own adjustments of both."""
+"""All three: setting any one ends glibc's own raising of the thresholds, so a trim
+threshold set alone would leave blocks of 128 KiB and more on their own ``mmap``."""
 
 
 def malloc_setting(environ: Mapping[str, str] | None = None) -> str:
