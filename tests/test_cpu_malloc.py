@@ -95,7 +95,9 @@ def test_without_glibc_nothing_is_changed(
 
 # A step in miniature: several large blocks live at once, all freed at its end. glibc's
 # defaults trim the heap's free top after each such step, so the next one faults its pages
-# in again; kept, the later steps reuse them.
+# in again; kept, the later steps reuse them. 3 blocks of 24 MiB: whatever glibc's own
+# threshold has risen to in the process (at most 32 MiB), 72 MiB freed at once exceeds
+# twice it, so the defaults trim (or map each block by itself) every time.
 CHILD = """
 import ctypes, json, resource, sys
 from paged_engine.worker.cpu_malloc import glibc, keep_freed_memory
@@ -110,7 +112,7 @@ else:  # through the engine: an LLM on the CPU with the setting in its environme
     from paged_engine import LLM
     os.environ["PAGED_ENGINE_CPU_MALLOC"] = setting
     LLM(how, num_threads=1, num_kvcache_blocks=16, max_model_len=256)
-size = 8 * 2**20
+size = 24 * 2**20
 faults = []
 for step in range(6):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -140,7 +142,7 @@ def step_faults(setting: str, how: str = "direct") -> list[int]:
     return list(json.loads(line.removeprefix("FAULTS ")))
 
 
-PAGES = 3 * 8 * 2**20 // 4096
+PAGES = 3 * 24 * 2**20 // 4096
 """The pages of one miniature step's blocks."""
 
 
