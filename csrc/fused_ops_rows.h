@@ -77,62 +77,76 @@ INLINE void store_rounded(void *p, int64_t i, float v, const int bf16) {
 
 EXACT_FP_BEGIN
 
-/* torch's multi_row_sum over `size` groups of 4 consecutive L-wide units of x^2: a running
- * sum per (row k, lane), carried up 4 levels every `step` groups so that only partial sums
- * of similar size are added. out: [4][L]. Levels above 0 stay zero below `step` groups
- * (rows under 64 L elements): they are then neither cleared nor added, which changes no bit
- * (x + 0 == x for the non-negative sums here). */
-INLINE void cascade4(const float *x, int64_t size, const int L, float out[4][MAX_LANES]) {
-    float acc[4][4][MAX_LANES];
-    const int64_t log2 = size <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)size - 1);
-    const int64_t power = log2 / 4 > 4 ? log2 / 4 : 4;
-    const int64_t step = (int64_t)1 << power, mask = step - 1;
-    const int levels = size >= step ? 4 : 1;
-    for (int j = 0; j < levels; j++)
-        for (int k = 0; k < 4; k++)
-            for (int l = 0; l < L; l++) acc[j][k][l] = 0.f;
-    int64_t i = 0;
-    while (i + step <= size) {
-        for (int64_t j = 0; j < step; j++, i++)
-            for (int k = 0; k < 4; k++)
-                for (int l = 0; l < L; l++) {
-                    const float v = x[(i * 4 + k) * L + l];
-                    acc[0][k][l] += v * v;
-                }
-        for (int j = 1; j < 4; j++) {
-            for (int k = 0; k < 4; k++)
-                for (int l = 0; l < L; l++) {
-                    acc[j][k][l] += acc[j - 1][k][l];
-                    acc[j - 1][k][l] = 0.f;
-                }
-            if (i & (mask << (j * power))) break;
-        }
-    }
-    for (; i < size; i++)
-        for (int k = 0; k < 4; k++)
-            for (int l = 0; l < L; l++) {
-                const float v = x[(i * 4 + k) * L + l];
-                acc[0][k][l] += v * v;
-            }
-    for (int k = 0; k < 4; k++)
-        for (int l = 0; l < L; l++) {
-            out[k][l] = acc[0][k][l];
-            for (int j = 1; j < levels; j++) out[k][l] += acc[j][k][l];
-        }
-}
+/* One torch lane-vector of floats: 4, 8 or 16 lanes (GCC's and clang's vector extension,
+ * lowered to whatever registers the level has), or a single float for rows shorter than
+ * one vector. Element-wise + and * on them are each lane's IEEE float ops: no order changes
+ * (EXACT_FP_BEGIN keeps contraction off), so a lane's sums are the scalar loop's bits. */
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x1;
 
-/* sum_squares' L lane partials for a row of n >= L floats, before it adds them up: torch's
- * row_sum over L-wide vectors, 4 interleaved, each lane's 4 partials added in order. The
- * elements past the last whole vector are not in them. */
+/* lane_sums_<L>: the L lane partials of sum(x^2) over `units` consecutive L-wide units of
+ * x, before they are added up, in the order of torch's multi_row_sum and row_sum:
+ * - the units in groups of 4 (k = 0..3), a running sum per (k, lane) of each group's
+ *   squares, carried up 4 levels every `step` groups so that only partial sums of similar
+ *   size are added (levels above 0 stay zero below `step` groups, so they are not added:
+ *   x + 0 == x for the non-negative sums here);
+ * - the units past the last whole group, into k = 0's sum;
+ * - each lane's 4 partials added in order of k.
+ * The accumulators are vector locals, 16 of them, that the compiler keeps in registers
+ * where the level has enough (stack arrays indexed by lane made each row's carries and its
+ * final adds a chain of scalar stores and vector reloads). */
+#define DEFINE_LANE_SUMS(L)                                                                 \
+    INLINE f32x##L squares_##L(const float *x, int64_t unit) {                              \
+        f32x##L v;                                                                          \
+        memcpy(&v, x + unit * L, sizeof v);                                                 \
+        return v * v;                                                                       \
+    }                                                                                       \
+    INLINE void lane_sums_##L(const float *x, int64_t units, float out[MAX_LANES]) {        \
+        const f32x##L zero = {0};                                                           \
+        const int64_t size = units / 4;                                                     \
+        const int64_t log2 = size <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)size - 1);      \
+        const int64_t power = log2 / 4 > 4 ? log2 / 4 : 4;                                  \
+        const int64_t step = (int64_t)1 << power, mask = step - 1;                          \
+        f32x##L a[4] = {zero, zero, zero, zero}, b[4] = {zero, zero, zero, zero};           \
+        f32x##L c[4] = {zero, zero, zero, zero}, d[4] = {zero, zero, zero, zero};           \
+        int64_t i = 0;                                                                      \
+        while (i + step <= size) {                                                          \
+            for (int64_t j = 0; j < step; j++, i++)                                         \
+                for (int k = 0; k < 4; k++) a[k] += squares_##L(x, i * 4 + k);              \
+            for (int k = 0; k < 4; k++) b[k] += a[k], a[k] = zero;                          \
+            if (i & (mask << power)) continue;                                              \
+            for (int k = 0; k < 4; k++) c[k] += b[k], b[k] = zero;                          \
+            if (i & (mask << 2 * power)) continue;                                          \
+            for (int k = 0; k < 4; k++) d[k] += c[k], c[k] = zero;                          \
+        }                                                                                   \
+        for (; i < size; i++)                                                               \
+            for (int k = 0; k < 4; k++) a[k] += squares_##L(x, i * 4 + k);                  \
+        if (size >= step)                                                                   \
+            for (int k = 0; k < 4; k++) a[k] += b[k], a[k] += c[k], a[k] += d[k];           \
+        for (int64_t u = size * 4; u < units; u++) a[0] += squares_##L(x, u);               \
+        f32x##L sum = a[0] + a[1];                                                          \
+        sum += a[2];                                                                        \
+        sum += a[3];                                                                        \
+        memcpy(out, &sum, sizeof sum);                                                      \
+    }
+
+DEFINE_LANE_SUMS(1)
+DEFINE_LANE_SUMS(4)
+DEFINE_LANE_SUMS(8)
+DEFINE_LANE_SUMS(16)
+
+/* sum_squares' L lane partials for a row of n >= L floats (lane_sums over its whole L-wide
+ * vectors; the elements past the last one are not in them). L: 4, 8 or 16, a constant at
+ * each call site, so the branch folds away. */
 INLINE void lane_partials(const float *x, int64_t n, const int L, float out[MAX_LANES]) {
-    float parts[4][MAX_LANES];
-    const int64_t units = n / L;
-    cascade4(x, units / 4, L, parts);
-    for (int64_t u = units / 4 * 4; u < units; u++)
-        for (int l = 0; l < L; l++) parts[0][l] += x[u * L + l] * x[u * L + l];
-    for (int k = 1; k < 4; k++)
-        for (int l = 0; l < L; l++) parts[0][l] += parts[k][l];
-    for (int l = 0; l < L; l++) out[l] = parts[0][l];
+    if (L == 4)
+        lane_sums_4(x, n / 4, out);
+    else if (L == 8)
+        lane_sums_8(x, n / 8, out);
+    else
+        lane_sums_16(x, n / 16, out);
 }
 
 /* The squares of the elements past the last whole L-wide vector, one by one: where torch's
@@ -148,10 +162,9 @@ INLINE float tail_squares(const float *x, int64_t n, const int L) {
  * shorter than one vector: the same over single elements). */
 INLINE float sum_squares(const float *x, int64_t n, const int L) {
     if (n < L) {
-        float parts[4][MAX_LANES];
-        cascade4(x, n / 4, 1, parts);
-        for (int64_t i = n / 4 * 4; i < n; i++) parts[0][0] += x[i] * x[i];
-        return parts[0][0] + parts[1][0] + parts[2][0] + parts[3][0];
+        float one[MAX_LANES];
+        lane_sums_1(x, n, one);
+        return one[0];
     }
     float lanes[MAX_LANES];
     lane_partials(x, n, L, lanes);

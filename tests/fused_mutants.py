@@ -85,6 +85,12 @@ MUTANTS = [
         "the squares summed left to right, not in torch's lane order (float32 rounding)",
     ),
     FusedMutant(
+        "levels_added_in_reverse",
+        "norm",
+        "a long row's carried partial sums added to the running one top level first, not in "
+        "torch's order (float32 rounding)",
+    ),
+    FusedMutant(
         "weight_before_cast",
         "norm",
         "the weight multiplies the float32 row before its cast (one bfloat16 rounding, not "
