@@ -86,6 +86,16 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x1;
 
+/* acc += the squares of x's L-wide unit `unit`. A macro, not a function returning a vector:
+ * the baseline copy would return 32- and 64-byte vectors without AVX, which GCC warns
+ * changes the ABI. */
+#define ADD_SQUARES(L, acc, x, unit)                                                        \
+    do {                                                                                    \
+        f32x##L v_;                                                                         \
+        memcpy(&v_, (x) + (unit) * L, sizeof v_);                                           \
+        (acc) += v_ * v_;                                                                   \
+    } while (0)
+
 /* lane_sums_<L>: the L lane partials of sum(x^2) over `units` consecutive L-wide units of
  * x, before they are added up, in the order of torch's multi_row_sum and row_sum:
  * - the units in groups of 4 (k = 0..3), a running sum per (k, lane) of each group's
@@ -98,11 +108,6 @@ typedef float f32x1;
  * where the level has enough (stack arrays indexed by lane made each row's carries and its
  * final adds a chain of scalar stores and vector reloads). */
 #define DEFINE_LANE_SUMS(L)                                                                 \
-    INLINE f32x##L squares_##L(const float *x, int64_t unit) {                              \
-        f32x##L v;                                                                          \
-        memcpy(&v, x + unit * L, sizeof v);                                                 \
-        return v * v;                                                                       \
-    }                                                                                       \
     INLINE void lane_sums_##L(const float *x, int64_t units, float out[MAX_LANES]) {        \
         const f32x##L zero = {0};                                                           \
         const int64_t size = units / 4;                                                     \
@@ -114,7 +119,7 @@ typedef float f32x1;
         int64_t i = 0;                                                                      \
         while (i + step <= size) {                                                          \
             for (int64_t j = 0; j < step; j++, i++)                                         \
-                for (int k = 0; k < 4; k++) a[k] += squares_##L(x, i * 4 + k);              \
+                for (int k = 0; k < 4; k++) ADD_SQUARES(L, a[k], x, i * 4 + k);             \
             for (int k = 0; k < 4; k++) b[k] += a[k], a[k] = zero;                          \
             if (i & (mask << power)) continue;                                              \
             for (int k = 0; k < 4; k++) c[k] += b[k], b[k] = zero;                          \
@@ -122,10 +127,10 @@ typedef float f32x1;
             for (int k = 0; k < 4; k++) d[k] += c[k], c[k] = zero;                          \
         }                                                                                   \
         for (; i < size; i++)                                                               \
-            for (int k = 0; k < 4; k++) a[k] += squares_##L(x, i * 4 + k);                  \
+            for (int k = 0; k < 4; k++) ADD_SQUARES(L, a[k], x, i * 4 + k);                 \
         if (size >= step)                                                                   \
             for (int k = 0; k < 4; k++) a[k] += b[k], a[k] += c[k], a[k] += d[k];           \
-        for (int64_t u = size * 4; u < units; u++) a[0] += squares_##L(x, u);               \
+        for (int64_t u = size * 4; u < units; u++) ADD_SQUARES(L, a[0], x, u);              \
         f32x##L sum = a[0] + a[1];                                                          \
         sum += a[2];                                                                        \
         sum += a[3];                                                                        \
