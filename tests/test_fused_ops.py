@@ -44,7 +44,7 @@ from paged_engine.kernels.fused_ops_ref import (
 from paged_engine.layers.activation import SiluAndMul
 from paged_engine.layers.layernorm import RMSNorm, rms_norm
 from paged_engine.layers.rotary import RopeSpec, RotaryEmbedding
-from tests.fused_mutants import MUTANTS, FusedMutant
+from tests.fused_mutants import MUTANTS, FusedMutant, three_levels_row
 
 F32, BF16 = torch.float32, torch.bfloat16
 EPS = 1e-6
@@ -102,15 +102,6 @@ def check_norm(
     if dtype == F32 and res is None:  # the float32 path the modules used before: F.rms_norm
         assert torch.equal(got, F.rms_norm(x, (n,), weight, EPS))
     assert torch.equal(x, before[0]) and (res is None or torch.equal(res, before[1]))
-
-
-def three_levels_row() -> int:
-    """A row whose sum of squares ends with three of the cascade's levels holding partial
-    sums (343 groups of 4 of torch's lane-vectors: 256 carried up twice, 80 once, 7 not), so
-    the order in which they are added can show (a float32 model of the sum, seed 4's 32
-    rows: 7 rows' sums change at 4 lanes, 6 at 8); with 16 lanes that is past MAX_COLS,
-    where no row holds three levels."""
-    return min(4 * (torch_sum_lanes() or 8) * 343, MAX_COLS)
 
 
 NORM_CASES = [
@@ -389,11 +380,27 @@ CHECKS = {
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_each_mutant_fails_the_check_the_kernel_passes(mutant: FusedMutant) -> None:
-    if mutant.name == "levels_added_in_reverse" and three_levels_row() == MAX_COLS:
-        pytest.skip("torch sums in 16 lanes here: no row fits three levels (three_levels_row)")
+    why = mutant.equivalent_here and mutant.equivalent_here()
+    if why:
+        pytest.skip(why)
     CHECKS[mutant.op]()  # the real kernel passes
     with mutant.active(), pytest.raises(AssertionError):
         CHECKS[mutant.op]()
+
+
+def test_the_levels_mutant_is_equivalent_only_where_torch_sums_16_lanes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its test may skip only where no row within MAX_COLS holds three cascade levels."""
+    (mutant,) = [m for m in MUTANTS if m.name == "levels_added_in_reverse"]
+    assert mutant.equivalent_here is not None
+    for lanes, row in ((4, 5488), (8, 10976)):
+        monkeypatch.setattr(fused_ops_cpu, "torch_sum_lanes", lambda lanes=lanes: lanes)
+        assert three_levels_row() == row and mutant.equivalent_here() is None
+    monkeypatch.setattr(fused_ops_cpu, "torch_sum_lanes", lambda: 16)
+    assert three_levels_row() == MAX_COLS
+    assert "16 lanes" in (mutant.equivalent_here() or "")
+    assert all(m.equivalent_here is None for m in MUTANTS if m is not mutant)
 
 
 # --------------------------------------------------------------------------- bad input
